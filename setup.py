@@ -1,0 +1,48 @@
+"""Packaging for realflow.
+
+Install torch first (a CPU wheel is fine), then everything else against
+``constraints.txt`` so that pip never swaps torch for a CUDA build::
+
+    pip install torch==2.13.0 && pip install -c constraints.txt -e ".[test]"
+"""
+from setuptools import find_packages, setup
+
+PACKAGES = ["realflow", "graphs", "mfc", "parallel", "experiments"]
+
+setup(
+    name="realflow",
+    version="0.1.0",
+    description="Dataflow-graph execution engine for RL post-training of LLMs",
+    python_requires=">=3.10",
+    packages=find_packages(include=[p for pkg in PACKAGES for p in (pkg, pkg + ".*")]),
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "transformers>=4.50",
+        "tokenizers>=0.20",
+        "safetensors>=0.4",
+        "networkx>=3.0",
+        "msgpack>=1.0",
+        "pyzmq>=25",
+        "numpy>=1.24",
+        "tensorboard>=2.14",
+        "tqdm>=4.60",
+        "rich>=13",
+        "matplotlib>=3.7",
+        "math-verify>=0.7",
+        "requests>=2.28",
+        "einops>=0.7",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]"],
+        "sglang": ["sglang"],
+        "deepspeed": ["deepspeed"],
+        "test": ["pytest>=8", "pytest-timeout>=2.2"],
+    },
+    entry_points={
+        "console_scripts": [
+            "realflow-sft=realflow.apps.main_sft:main",
+            "realflow=realflow.apps.main:main",
+        ]
+    },
+)

@@ -37,7 +37,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "sglang": ["sglang"],
         "deepspeed": ["deepspeed"],
-        "test": ["pytest>=8", "pytest-timeout>=2.2"],
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6"],
     },
     entry_points={
         "console_scripts": [

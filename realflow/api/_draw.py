@@ -1,0 +1,97 @@
+"""Matplotlib rendering of a data flow graph (used by ``DataFlowGraph.draw``).
+
+Uses ``Figure`` + the Agg canvas directly instead of pyplot, so drawing never
+touches the process-wide backend or needs a display.  Nodes are laid out one
+column per topological generation; an edge bends (deterministically) when a
+straight arrow would cross another node.
+"""
+from __future__ import annotations
+
+import pathlib
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+_PALETTE = ["#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#1f78b4", "#33a02c", "#e31a1c", "#ff7f00"]
+_BENDS = (0.0, 0.2, -0.2, 0.35, -0.35, 0.5, -0.5)
+_DS = "__dataset__"
+
+
+def _bezier(p0, c, p1, t):
+    return ((1 - t) ** 2 * p0[0] + 2 * (1 - t) * t * c[0] + t * t * p1[0],
+            (1 - t) ** 2 * p0[1] + 2 * (1 - t) * t * c[1] + t * t * p1[1])
+
+
+def _control(p0, p1, rad):
+    """The control point matplotlib's ``arc3,rad=...`` uses (display coordinates)."""
+    (x0, y0), (x1, y1) = p0, p1
+    return ((x0 + x1) / 2 + rad * (y1 - y0), (y0 + y1) / 2 - rad * (x1 - x0))
+
+
+def draw_graph(
+    path: pathlib.Path,
+    nodes: list[tuple[str, int, int, int, str]],
+    edges: list[tuple[str, str, tuple[str, ...]]],
+    dataset_edges: list[tuple[str, str]],
+    placement: dict[str, str],
+    roles: dict[str, str],
+) -> pathlib.Path:
+    """``nodes``: (name, generation, row, rows in generation, subtitle). Returns ``path``."""
+    x0 = 1 if dataset_edges else 0
+    n_cols = max((g for _, g, _, _, _ in nodes), default=0) + 1 + x0
+    max_rows = max((n for *_, n, _ in nodes), default=1)
+    pos = {name: ((x0 + g) * 3.0, ((rows - 1) / 2.0 - row) * 1.6) for name, g, row, rows, _ in nodes}
+    group_of = {name: placement.get(name, "(unplaced)") for name, *_ in nodes} if placement else roles
+    groups = list(dict.fromkeys(group_of[name] for name, *_ in nodes))
+    color = {grp: _PALETTE[i % len(_PALETTE)] for i, grp in enumerate(groups)}
+
+    fig = Figure(figsize=(3.0 * n_cols + 0.8, 1.6 * max_rows + 1.8), dpi=100)
+    canvas = FigureCanvasAgg(fig)
+    ax = fig.add_axes((0.02, 0.02, 0.96, 0.9))
+    ax.set_axis_off()
+    texts = {}
+    for name, _, _, _, sub in nodes:
+        label = f"{name}\n{sub}" + (f"\n[{placement[name]}]" if name in placement else "")
+        texts[name] = ax.text(*pos[name], label, ha="center", va="center", fontsize=9, zorder=3,
+                              bbox=dict(boxstyle="round,pad=0.4", fc=color[group_of[name]], ec="#333333"))
+    all_edges = list(edges)
+    if dataset_edges:
+        pos[_DS] = (0.0, 0.0)
+        keys = sorted({k for k, _ in dataset_edges})
+        texts[_DS] = ax.text(0.0, 0.0, "data set\n" + "\n".join(keys), ha="center", va="center", fontsize=8,
+                             zorder=3, bbox=dict(boxstyle="square,pad=0.4", fc="#eeeeee", ec="#333333"))
+        by_consumer: dict[str, list[str]] = {}
+        for k, c in dataset_edges:
+            by_consumer.setdefault(c, []).append(k)
+        all_edges = [(_DS, c, tuple(ks)) for c, ks in by_consumer.items()] + all_edges
+    xs, ys = [p[0] for p in pos.values()], [p[1] for p in pos.values()]
+    ax.set_xlim(min(xs) - 1.5, max(xs) + 1.5)
+    ax.set_ylim(min(ys) - 1.2, max(ys) + 1.0)
+    if len(groups) > 1 or placement:
+        ax.legend(handles=[Patch(fc=color[g], ec="#333333", label=g) for g in groups], loc="lower right",
+                  fontsize=7, title="placement" if placement else "role", title_fontsize=7)
+    ax.set_title(f"data flow graph ({len(nodes)} MFCs)", fontsize=10)
+    canvas.draw()  # positions the text boxes, so arrows can be clipped at their borders
+
+    boxes = {n: t.get_bbox_patch().get_window_extent().expanded(1.1, 1.3) for n, t in texts.items()}
+    to_data = ax.transData.inverted()
+    for u, v, keys in all_edges:
+        p0, p1 = ax.transData.transform(pos[u]), ax.transData.transform(pos[v])
+        others = [b for n, b in boxes.items() if n not in (u, v)]
+        rad = _BENDS[-1]
+        for cand in _BENDS:
+            c = _control(p0, p1, cand)
+            if not any(b.contains(*_bezier(p0, c, p1, t / 20)) for b in others for t in range(1, 20)):
+                rad = cand
+                break
+        ax.annotate("", xy=pos[v], xytext=pos[u], zorder=2,
+                    arrowprops=dict(arrowstyle="-|>", color="#555555", connectionstyle=f"arc3,rad={rad}",
+                                    mutation_scale=14, shrinkA=0, shrinkB=2,
+                                    patchA=texts[u].get_bbox_patch(), patchB=texts[v].get_bbox_patch()))
+        lx, ly = to_data.transform(_bezier(p0, _control(p0, p1, rad), p1, 0.5))
+        ax.text(lx, ly, ", ".join(keys), ha="center", va="center", fontsize=7, color="#333333", zorder=4,
+                bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.85))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(str(path), format="png")
+    return path

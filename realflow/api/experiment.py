@@ -1,0 +1,157 @@
+"""What the runtime needs to know about an experiment, independent of which one it is.
+
+An experiment config (a dataclass in ``experiments/``, with user-facing fields and
+defaults) turns itself into an :class:`ExperimentSetup` — the graph, the models, the
+data and the allocation. Every process (launcher, master, model workers) rebuilds the
+same setup from the same command line, so nothing is pickled and no process needs the
+config object of another. The setup must therefore be a pure function of the config.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from realflow.api.mfc import MFCDef
+from realflow.api.registry import Registry
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with warmup and a decaying schedule; the same fields on every backend."""
+
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW decoupled weight decay"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.98, metadata={"help": "AdamW beta2"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    warmup_steps_proportion: float = field(
+        default=0.05, metadata={"help": "fraction of total steps spent in linear warmup"}
+    )
+    lr_scheduler_type: str = field(
+        default="cosine", metadata={"help": "after warmup: cosine | linear | constant"}
+    )
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of lr"})
+    gradient_clipping: float = field(default=1.0, metadata={"help": "max global grad norm (0 = off)"})
+
+
+@dataclass
+class ModelSpec:
+    """One named model (role): where its weights come from and whether it trains.
+
+    ``path`` is an HF checkpoint directory (config.json + safetensors). ``optimizer``
+    is None for roles that are never trained (reference, reward).
+    """
+
+    role: str
+    path: str
+    tokenizer_path: Optional[str] = None
+    optimizer: Optional[OptimizerConfig] = None
+    backend: str = "megatron"
+    total_train_steps: int = 0
+    backend_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DatasetSpec:
+    """A data set in a registered format (see ``realflow.api.dataset``)."""
+
+    format: str
+    path: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvalSpec:
+    """Held-out evaluation: the role whose ``evaluate`` runs, on which data, how often."""
+
+    role: str
+    dataset: DatasetSpec
+    interface_impl: str
+    interface_args: dict[str, Any] = field(default_factory=dict)
+    freq_steps: int = 0  # 0: only before the first and after the last step
+
+
+@dataclass
+class ExperimentSetup:
+    """The complete, process-independent description of a run."""
+
+    experiment_name: str
+    trial_name: str
+    mfcs: list[MFCDef]
+    models: dict[str, ModelSpec]
+    dataset: DatasetSpec
+    n_workers: int
+    allocation: str
+    run_dir: str
+    total_train_epochs: int = 1
+    max_train_steps: Optional[int] = None
+    save_freq_steps: int = 0  # 0: only at the end
+    eval: Optional[EvalSpec] = None
+    seed: int = 1
+    name_resolve: dict[str, Any] = field(default_factory=lambda: {"type": "file"})
+    worker_threads: int = 1
+    setup_timeout_s: float = 600.0
+    mfc_timeout_s: float = 1800.0
+    heartbeat_timeout_s: float = 10.0
+    trace: bool = True
+
+    def train_roles(self) -> list[str]:
+        return sorted(r for r, m in self.models.items() if m.optimizer is not None)
+
+    def replace(self, **kw: Any) -> "ExperimentSetup":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass
+class NameResolveConfig:
+    """Where processes of a run find each other (DESIGN §4, Discovery)."""
+
+    type: str = field(default="file", metadata={"help": "file | etcd"})
+    root: str = field(default="", metadata={"help": "file backend directory ('' = <fileroot>/name_resolve)"})
+    host: str = field(default="127.0.0.1", metadata={"help": "etcd host"})
+    port: int = field(default=2379, metadata={"help": "etcd client port"})
+
+
+@dataclass
+class BaseExperimentConfig:
+    """Fields every experiment has; subclasses add models, data and hyper-parameters.
+
+    Subclasses implement :meth:`setup` (pure: config -> :class:`ExperimentSetup`) and
+    may implement :meth:`prepare` (run once in the launcher before any worker starts,
+    e.g. to create a data set or an initial checkpoint).
+    """
+
+    experiment_name: str = field(default="", metadata={"help": "name of the run ('' = the experiment's name)"})
+    trial_name: str = field(default="trial0", metadata={"help": "trial of the run; scopes files and names"})
+    fileroot: str = field(default="outputs", metadata={"help": "directory for runs, checkpoints and logs"})
+    seed: int = field(default=1, metadata={"help": "global seed"})
+    n_workers: int = field(default=2, metadata={"help": "number of model worker processes"})
+    allocation: str = field(default="", metadata={"help": "parallel strategy, e.g. d2 ('' = dN over all workers)"})
+    worker_threads: int = field(default=1, metadata={"help": "torch threads per model worker process"})
+    trace: bool = field(default=True, metadata={"help": "write a Perfetto/Chrome timeline trace per process"})
+    name_resolve: NameResolveConfig = field(default_factory=NameResolveConfig)
+
+    def run_dir(self, default_name: str) -> str:
+        import os
+
+        return os.path.abspath(os.path.join(self.fileroot, self.experiment_name or default_name, self.trial_name))
+
+    def prepare(self) -> None:  # pragma: no cover - default does nothing
+        """One-time preparation in the launcher (data, tokenizer, initial weights)."""
+
+    def setup(self) -> ExperimentSetup:
+        raise NotImplementedError(f"{type(self).__name__} must implement setup()")
+
+
+experiment_registry: Registry = Registry("experiment")
+
+
+def register_experiment(name: str):
+    """Class decorator registering an experiment config under ``name``."""
+
+    def deco(cls):
+        experiment_registry.register(name, cls)
+        return cls
+
+    return deco

@@ -1,0 +1,72 @@
+"""Ports and host addresses.
+
+By default everything binds and advertises 127.0.0.1: a single-host job must not
+open ports to the network. A cluster job sets ``cluster=True`` (from its config) and
+then advertises the address other hosts can reach: $REALFLOW_HOST_IP if set (for
+hosts with several interfaces), else the address of the interface that routes
+outwards.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+LOOPBACK = "127.0.0.1"
+
+
+def find_free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that was free a moment ago on ``host``.
+
+    Another process can still take it before you bind; prefer binding to port 0
+    where the API allows it (ZMQ ``bind_to_random_port``) and use this only where a
+    port must be known in advance (torch.distributed, etcd).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def find_free_ports(n: int, host: str = LOOPBACK) -> list[int]:
+    """``n`` distinct free ports (all sockets are held until every port is chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def host_address(cluster: bool = False) -> str:
+    """Address to bind and advertise: loopback unless ``cluster``."""
+    if not cluster:
+        return LOOPBACK
+    env = os.environ.get("REALFLOW_HOST_IP")
+    if env:
+        return env
+    # Connecting a UDP socket sends nothing; it only asks the kernel for the route.
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            ip = s.getsockname()[0]
+            if not ip.startswith("127."):
+                return ip
+    except OSError:
+        pass
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        ip = LOOPBACK
+    if ip.startswith("127."):
+        raise RuntimeError(
+            "cluster=True but this host has no routable address; set REALFLOW_HOST_IP"
+        )
+    return ip
+
+
+def tcp_address(host: str, port: int) -> str:
+    """ZMQ-style endpoint 'tcp://host:port'."""
+    return f"tcp://{host}:{int(port)}"

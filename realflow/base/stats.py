@@ -1,0 +1,151 @@
+"""Training statistics: reduction across workers and logging per step.
+
+Each worker returns a flat ``{name: scalar}`` dict per MFC call; the master combines
+them with ``reduce_stats`` (mean of losses, sum of token counts, max of memory, ...)
+and hands the result to ``StatsLogger``, which writes two things:
+
+* TensorBoard event files under ``<run_dir>/tensorboard`` - for people;
+* ``<run_dir>/stats.jsonl``, one JSON object per ``log`` call - for scripts and
+  tests, without needing TensorBoard to read them back.
+
+Non-finite values are kept (NaN loss is exactly what one wants to see); the jsonl
+file writes them as the JSON extensions ``NaN`` / ``Infinity`` that Python's json
+reads back.
+"""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+REDUCE_OPS = ("mean", "sum", "min", "max")
+_RESERVED = ("step", "time")
+
+
+def _to_float(key: str, value: Any) -> float:
+    """float(value) for python/numpy scalars and one-element tensors; else a clear error."""
+    if isinstance(value, bool) or isinstance(value, numbers.Real):
+        return float(value)
+    item = getattr(value, "item", None)
+    numel = getattr(value, "numel", None) or getattr(value, "size", None)
+    if callable(item):
+        n = numel() if callable(numel) else numel
+        if n in (None, 1):
+            return float(item())
+    raise TypeError(f"stat '{key}' must be a scalar number, got {type(value).__name__}: {value!r:.80}")
+
+
+def reduce_stats(
+    per_worker: Sequence[Mapping[str, Any]],
+    op: str | Mapping[str, str] = "mean",
+    default: str = "mean",
+) -> dict[str, float]:
+    """Combine per-worker stat dicts into one.
+
+    ``op`` is one op for every key, or ``{key: op}`` with ``default`` for other keys.
+    Ops: mean, sum, min, max. A key missing on some workers is reduced over the
+    workers that have it (e.g. only pipeline-last ranks report the loss).
+    """
+    ops = {} if isinstance(op, str) else dict(op)
+    fallback = op if isinstance(op, str) else default
+    for k, o in [*ops.items(), ("<default>", fallback)]:
+        if o not in REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {o!r} for stat '{k}'; choose one of {REDUCE_OPS}")
+    values: dict[str, list[float]] = {}
+    for i, stats in enumerate(per_worker):
+        for k, v in stats.items():
+            try:
+                values.setdefault(k, []).append(_to_float(k, v))
+            except TypeError as e:
+                raise TypeError(f"{e} (from worker {i})") from None
+    out: dict[str, float] = {}
+    for k, vs in values.items():
+        o = ops.get(k, fallback)
+        if o == "mean":
+            out[k] = math.fsum(vs) / len(vs)
+        elif o == "sum":
+            out[k] = math.fsum(vs)
+        elif o == "min":
+            out[k] = min(vs)
+        else:
+            out[k] = max(vs)
+    return out
+
+
+def weighted_mean(values: Iterable[float], weights: Iterable[float]) -> float:
+    """Mean weighted by e.g. token counts: per-token loss from per-worker means."""
+    vs, ws = list(values), list(weights)
+    if len(vs) != len(ws):
+        raise ValueError(f"weighted_mean: {len(vs)} values but {len(ws)} weights")
+    total = math.fsum(ws)
+    if total <= 0:
+        raise ValueError(f"weighted_mean: weights sum to {total}, need > 0")
+    return math.fsum(v * w for v, w in zip(vs, ws)) / total
+
+
+class StatsLogger:
+    """Per-step scalar stats to TensorBoard and a jsonl file under ``run_dir``."""
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, jsonl: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.run_dir / "stats.jsonl"
+        self.tensorboard_dir = self.run_dir / "tensorboard"
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
+        self._jsonl = open(self.jsonl_path, "a", buffering=1) if jsonl else None  # line-buffered
+        self._closed = False
+
+    def log(self, step: int, stats: Mapping[str, Any], prefix: str | None = None) -> dict[str, float]:
+        """Write ``stats`` for ``step``; keys get ``prefix/`` if given. Returns what was written."""
+        if self._closed:
+            raise RuntimeError(f"StatsLogger({self.run_dir}) is closed")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        row: dict[str, float] = {}
+        for k, v in stats.items():
+            name = f"{prefix}/{k}" if prefix else str(k)
+            if name in _RESERVED:
+                raise ValueError(f"stat name '{name}' is reserved in stats.jsonl; rename it")
+            row[name] = _to_float(name, v)
+        if self._writer is not None:
+            wall = time.time()
+            for name, v in row.items():
+                self._writer.add_scalar(name, v, global_step=step, walltime=wall)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **row}) + "\n")
+        return row
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+        if self._jsonl is not None:
+            self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._writer.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+
+    def __enter__(self) -> "StatsLogger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Rows of a stats.jsonl file (tools, plots, tests)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

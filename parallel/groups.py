@@ -1,0 +1,190 @@
+"""Per-model process groups from an explicit list of global ranks.
+
+A worker may hold several models in different layouts (actor d2t1p1 next to a
+reference model d1t2p1 on overlapping workers), so we never use megatron's
+process-wide ``parallel_state`` groups.  Each model gets its own
+:class:`megatron.core.process_groups_config.ProcessGroupCollection`, passed
+explicitly to GPTModel, DDP, the optimizer and the schedules.
+
+Rank grid (megatron's default order ``tp-cp-ep-dp-pp``, cp = ep = 1): tensor
+parallel is fastest, then data parallel, then pipeline parallel::
+
+    ranks[pp_rank * dp * tp + dp_rank * tp + tp_rank]
+
+so a tensor-parallel group is a run of adjacent entries of ``ranks`` (adjacent
+GPUs of one node when the caller lists ranks node by node).
+
+Group creation is collective over the DEFAULT group: every rank of the default
+group must call :func:`build_model_groups` for every model, in the same order,
+with the same arguments (``torch.distributed.new_group`` semantics); ranks that
+are not in ``ranks`` get ``ModelGroups(is_member=False)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from realflow.api.allocation import ParallelStrategy
+
+__all__ = ["ModelGroups", "ParallelStrategy", "build_model_groups", "grid_rank"]
+
+
+def grid_rank(ranks: list[int], strategy: ParallelStrategy, dp: int, tp: int, pp: int) -> int:
+    """Global rank at grid coordinates (dp, tp, pp) of a model laid out on ``ranks``."""
+    return ranks[pp * strategy.dp * strategy.tp + dp * strategy.tp + tp]
+
+
+@dataclass
+class ModelGroups:
+    """Process groups and coordinates of THIS rank for one model.
+
+    ``pg_collection`` is what megatron-core consumes; the named groups below are
+    shortcuts into it.  All fields except ``is_member``/``ranks``/``strategy``
+    are None on non-members.
+    """
+
+    is_member: bool
+    ranks: list[int]
+    strategy: ParallelStrategy
+    global_rank: int = -1
+    dp_rank: int = -1
+    tp_rank: int = -1
+    pp_rank: int = -1
+    pg_collection: Any = None  # megatron.core.process_groups_config.ProcessGroupCollection
+    model_group: Optional[dist.ProcessGroup] = None  # all ranks of the model
+    grid: list[list[list[int]]] = field(default_factory=list)  # [pp][dp][tp] -> global rank
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.pg_collection.dp
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.pg_collection.tp
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.pg_collection.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.strategy.dp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.strategy.pp - 1
+
+    @property
+    def is_dp_head(self) -> bool:
+        """True on the (dp=0, tp=0) rank of each pipeline stage."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    def rank_at(self, dp: int = 0, tp: int = 0, pp: int = 0) -> int:
+        """Global rank at grid coordinates."""
+        return self.grid[pp][dp][tp]
+
+
+def _check(ranks: list[int], strategy: ParallelStrategy, world: int) -> None:
+    for name in ("dp", "tp", "pp"):
+        value = getattr(strategy, name, None)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"build_model_groups: strategy.{name}={value!r} must be an int >= 1")
+    need = strategy.dp * strategy.tp * strategy.pp
+    if len(ranks) != need:
+        raise ValueError(
+            f"build_model_groups: strategy dp={strategy.dp} tp={strategy.tp} pp={strategy.pp} "
+            f"needs {need} ranks, got {len(ranks)}: {ranks}"
+        )
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"build_model_groups: duplicate ranks in {ranks}")
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"build_model_groups: ranks {bad} outside the default group (size {world})")
+
+
+def build_model_groups(
+    ranks: list[int], strategy: ParallelStrategy, timeout: Optional[timedelta] = None
+) -> ModelGroups:
+    """Create the process groups of one model laid out as ``strategy`` on ``ranks``.
+
+    Collective over the default group (see module docstring).  Group member order
+    follows the grid, not sorted rank order, so ``group.rank()`` is the grid
+    coordinate megatron expects (``sort_ranks=False``).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("build_model_groups: torch.distributed is not initialized")
+    ranks = [int(r) for r in ranks]
+    _check(ranks, strategy, dist.get_world_size())
+    dp, tp, pp = strategy.dp, strategy.tp, strategy.pp
+    grid = [[[grid_rank(ranks, strategy, d, t, p) for t in range(tp)] for d in range(dp)]
+            for p in range(pp)]
+    me = dist.get_rank()
+
+    created: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}
+
+    def make(kind: str, members_list: list[list[int]]) -> Optional[dist.ProcessGroup]:
+        """new_group for each member list (all ranks call); return the one holding me."""
+        mine: Optional[dist.ProcessGroup] = None
+        for members in members_list:
+            key = tuple(members)
+            if key not in created:  # same ranks, same order -> share the group
+                created[key] = dist.new_group(
+                    members, timeout=timeout, sort_ranks=False,
+                    group_desc=f"realflow_{kind}",
+                )
+            if me in members:
+                mine = created[key]
+        return mine
+
+    tp_lists = [grid[p][d] for p in range(pp) for d in range(dp)]
+    dp_lists = [[grid[p][d][t] for d in range(dp)] for p in range(pp) for t in range(tp)]
+    pp_lists = [[grid[p][d][t] for p in range(pp)] for d in range(dp) for t in range(tp)]
+    mp_lists = [[grid[p][d][t] for p in range(pp) for t in range(tp)] for d in range(dp)]
+    tp_dp_lists = [[grid[p][d][t] for d in range(dp) for t in range(tp)] for p in range(pp)]
+    solo_lists = [[r] for r in ranks]
+    # Tied word embeddings live on the first and last stage of each pipeline.
+    embd_lists = [sorted({pl[0], pl[-1]}, key=pl.index) for pl in pp_lists]
+
+    # Fixed creation order: every rank makes the same new_group calls.
+    g_tp = make("tp", tp_lists)
+    g_dp = make("dp", dp_lists)
+    g_pp = make("pp", pp_lists)
+    g_mp = make("mp", mp_lists)
+    g_tp_dp = make("tp_dp", tp_dp_lists)
+    g_embd = make("embd", embd_lists)
+    g_solo = make("solo", solo_lists)
+    g_all = make("model", [list(ranks)])
+
+    if me not in ranks:
+        return ModelGroups(is_member=False, ranks=ranks, strategy=strategy, grid=grid)
+
+    idx = ranks.index(me)
+    pp_rank, rest = divmod(idx, dp * tp)
+    dp_rank, tp_rank = divmod(rest, tp)
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    # Field meanings follow megatron's parallel_state with cp = ep = 1 and a
+    # single distributed-optimizer instance.
+    pgc = ProcessGroupCollection(
+        tp=g_tp, pp=g_pp, mp=g_mp, cp=g_solo, tp_cp=g_tp, dp=g_dp, dp_cp=g_dp,
+        intra_dp_cp=g_dp, tp_dp_cp=g_tp_dp,
+        ep=g_solo, expt_tp=g_tp, tp_ep=g_tp, tp_ep_pp=g_mp, expt_dp=g_dp, intra_expt_dp=g_dp,
+        embd=g_embd,  # None on middle stages, as in megatron
+        pos_embd=g_solo if pp_rank == 0 else None,
+        intra_dist_opt=g_all,  # grad-norm reduction over every shard of the model
+        inter_dist_opt=None,
+    )
+    return ModelGroups(
+        is_member=True, ranks=ranks, strategy=strategy, global_rank=me,
+        dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, pg_collection=pgc,
+        model_group=g_all, grid=grid,
+    )
+

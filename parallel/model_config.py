@@ -1,0 +1,186 @@
+"""HF config -> megatron-core TransformerConfig (Qwen2, Qwen3, Llama families).
+
+The HF config is the source of truth for the architecture; everything megatron
+needs beyond TransformerConfig (vocab padding, RoPE base/scaling, tied
+embeddings) is in :class:`HFArch`, produced by :func:`hf_arch`.  Anything we
+cannot reproduce exactly raises ``NotImplementedError`` naming the field, so a
+model never silently diverges from its HF twin.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "HFArch",
+    "SUPPORTED_MODEL_TYPES",
+    "hf_arch",
+    "rope_inv_freq",
+    "transformer_config_from_hf",
+]
+
+# model_type -> (qkv bias, qk-norm)
+SUPPORTED_MODEL_TYPES: dict[str, tuple[bool, bool]] = {
+    "qwen2": (True, False),
+    "llama": (False, False),
+    "qwen3": (False, True),
+}
+
+# Megatron-LM's convention: pad the vocab to a multiple of 128 * tp so the
+# vocab-parallel embedding/output layer splits evenly and GEMMs stay aligned.
+DEFAULT_VOCAB_DIVISOR = 128
+
+
+@dataclass(frozen=True)
+class HFArch:
+    """Architecture facts megatron's GPTModel takes outside TransformerConfig."""
+
+    model_type: str
+    vocab_size: int  # the HF vocab; logits are cut to this
+    padded_vocab_size: int  # megatron's embedding/output rows
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]]  # HF rope_parameters for non-default RoPE
+    tie_word_embeddings: bool
+    head_dim: int
+    qkv_bias: bool
+    qk_norm: bool
+
+
+def _get(hf_config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(hf_config, dict):
+        return hf_config.get(name, default)
+    return getattr(hf_config, name, default)
+
+
+def _rope_params(hf_config: Any) -> dict[str, Any]:
+    """RoPE settings from either transformers 5 (rope_parameters) or 4.x fields."""
+    params = dict(_get(hf_config, "rope_parameters", None) or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = _get(hf_config, "rope_theta", 10000.0)
+    legacy = _get(hf_config, "rope_scaling", None)
+    if legacy and "rope_type" not in params:
+        params.update(legacy)
+        params.setdefault("rope_type", legacy.get("type", "default"))
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def hf_arch(hf_config: Any, tp_size: int = 1, vocab_divisor: int = DEFAULT_VOCAB_DIVISOR) -> HFArch:
+    """Validate ``hf_config`` and collect the architecture facts."""
+    model_type = _get(hf_config, "model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        archs = _get(hf_config, "architectures") or []
+        raise NotImplementedError(
+            f"unsupported architecture model_type={model_type!r} {list(archs)}; "
+            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+        )
+    qkv_bias, qk_norm = SUPPORTED_MODEL_TYPES[model_type]
+    act = _get(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise NotImplementedError(f"{model_type}: hidden_act={act!r} (only SwiGLU/silu)")
+    if model_type == "llama":
+        if _get(hf_config, "attention_bias", False):
+            raise NotImplementedError("llama: attention_bias=True (o_proj bias) is not supported")
+        if _get(hf_config, "mlp_bias", False):
+            raise NotImplementedError("llama: mlp_bias=True is not supported")
+    if model_type == "qwen3" and _get(hf_config, "attention_bias", False):
+        raise NotImplementedError("qwen3: attention_bias=True is not supported")
+    if _get(hf_config, "use_sliding_window", False):
+        raise NotImplementedError(f"{model_type}: use_sliding_window=True is not supported")
+    layer_types = _get(hf_config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise NotImplementedError(f"{model_type}: layer_types other than full_attention")
+
+    rope = _rope_params(hf_config)
+    if rope["rope_type"] not in ("default", "llama3"):
+        raise NotImplementedError(f"{model_type}: rope_type={rope['rope_type']!r}")
+    hidden = _get(hf_config, "hidden_size")
+    heads = _get(hf_config, "num_attention_heads")
+    head_dim = _get(hf_config, "head_dim", None) or hidden // heads
+    vocab = int(_get(hf_config, "vocab_size"))
+    divisor = vocab_divisor * tp_size
+    return HFArch(
+        model_type=model_type,
+        vocab_size=vocab,
+        padded_vocab_size=int(math.ceil(vocab / divisor) * divisor),
+        max_position_embeddings=int(_get(hf_config, "max_position_embeddings", 4096)),
+        rope_theta=float(rope["rope_theta"]),
+        rope_scaling=None if rope["rope_type"] == "default" else rope,
+        tie_word_embeddings=bool(_get(hf_config, "tie_word_embeddings", False)),
+        head_dim=int(head_dim),
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
+    )
+
+
+def rope_inv_freq(arch: HFArch) -> torch.Tensor:
+    """RoPE inverse frequencies exactly as transformers computes them (fp32).
+
+    Megatron's own llama3 scaling hard-codes low/high frequency factors and the
+    original context length, so we always install these frequencies ourselves.
+    """
+    dim = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if arch.rope_scaling is None:
+        return inv
+    s = arch.rope_scaling  # llama3
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_ctx / high) & ~(wavelen > old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def transformer_config_from_hf(hf_config: Any, **overrides: Any):
+    """Build a megatron ``TransformerConfig`` equivalent to ``hf_config``.
+
+    Defaults suit fp32 training on CPU (no fused kernels, no dropout, CPU init);
+    ``overrides`` are TransformerConfig fields (e.g. ``tensor_model_parallel_size``,
+    ``bf16=True``, ``params_dtype=torch.bfloat16``) and win over everything.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    arch = hf_arch(hf_config, tp_size=int(overrides.get("tensor_model_parallel_size", 1)))
+    on_gpu = torch.cuda.is_available()
+    kw: dict[str, Any] = dict(
+        num_layers=int(_get(hf_config, "num_hidden_layers")),
+        hidden_size=int(_get(hf_config, "hidden_size")),
+        num_attention_heads=int(_get(hf_config, "num_attention_heads")),
+        num_query_groups=int(
+            _get(hf_config, "num_key_value_heads", None) or _get(hf_config, "num_attention_heads")
+        ),
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=int(_get(hf_config, "intermediate_size")),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(_get(hf_config, "rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,  # SwiGLU: fc1 = [gate; up]
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=float(_get(hf_config, "attention_dropout", 0.0) or 0.0),
+        init_method_std=float(_get(hf_config, "initializer_range", 0.02)),
+        params_dtype=torch.float32,
+        use_cpu_initialization=not on_gpu,
+        # Fusions need CUDA kernels (apex/TE); the unfused paths are exact.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+    )
+    kw.update(overrides)
+    # dtype of the activations pipeline stages exchange (megatron requires it for pp > 1)
+    kw.setdefault("pipeline_dtype", kw["params_dtype"])
+    return TransformerConfig(**kw)

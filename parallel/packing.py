@@ -1,0 +1,70 @@
+"""Packed variable-length sequences <-> right-padded [B, S] batches.
+
+realflow moves sequences packed (one 1-D tensor + lengths).  Megatron's local
+attention on CPU has no packed (THD) support, so each micro-batch is padded to
+[B, S] and run with a causal mask: with right padding a real token never
+attends to a pad (pads come after it), so the result is exact.  Outputs are
+unpacked back to [total_tokens, ...] in the original order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["PaddedBatch", "pad_packed", "unpad", "split_by_token_budget", "check_packed"]
+
+
+@dataclass
+class PaddedBatch:
+    input_ids: torch.Tensor  # [B, S] int64, right padded
+    position_ids: torch.Tensor  # [B, S] int64, 0..len-1 then 0 on pads
+    valid: torch.Tensor  # [B, S] bool, True on real tokens
+
+
+def check_packed(input_ids: torch.Tensor, seqlens: list[int], what: str = "input_ids") -> None:
+    """One-line errors for malformed packed inputs."""
+    if input_ids.dim() != 1:
+        raise ValueError(f"{what} must be 1-D packed tokens, got shape {list(input_ids.shape)}")
+    if any(int(n) <= 0 for n in seqlens):
+        raise ValueError(f"seqlens must be positive, got {list(seqlens)}")
+    if sum(int(n) for n in seqlens) != input_ids.numel():
+        raise ValueError(f"sum(seqlens)={sum(seqlens)} != {what}.numel()={input_ids.numel()}")
+
+
+def pad_packed(input_ids: torch.Tensor, seqlens: list[int], pad_id: int = 0) -> PaddedBatch:
+    """[T] packed tokens -> right-padded [B, max(seqlens)] batch."""
+    lens = torch.as_tensor(seqlens, dtype=torch.long)
+    b, s = len(seqlens), int(lens.max())
+    ar = torch.arange(s).unsqueeze(0)
+    valid = ar < lens.unsqueeze(1)
+    ids = torch.full((b, s), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    valid = valid.to(input_ids.device)
+    ids[valid] = input_ids
+    pos = torch.where(valid, ar.to(input_ids.device), torch.zeros_like(ar).to(input_ids.device))
+    return PaddedBatch(ids, pos, valid)
+
+
+def unpad(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B, S, ...] -> [T, ...] keeping real tokens in packed order."""
+    return x[valid]
+
+
+def split_by_token_budget(seqlens: list[int], max_tokens: Optional[int]) -> list[tuple[int, int]]:
+    """Greedy contiguous split of sequences into [start, end) runs under a token budget.
+
+    A sequence longer than the budget gets a micro-batch of its own.
+    """
+    if not seqlens:
+        return []
+    if max_tokens is None:
+        return [(0, len(seqlens))]
+    out, start, acc = [], 0, 0
+    for i, n in enumerate(seqlens):
+        if i > start and acc + n > max_tokens:
+            out.append((start, i))
+            start, acc = i, 0
+        acc += n
+    out.append((start, len(seqlens)))
+    return out

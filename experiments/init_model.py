@@ -1,0 +1,56 @@
+"""Create a randomly initialised HF checkpoint for training from scratch.
+
+Training "from scratch" is loading a checkpoint like any other: the launcher writes
+a seeded random model once, and every worker loads its layout's slice of it. So
+every data-parallel replica starts from the same weights without a broadcast, and
+the run is reproducible from the seed.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TinyArchConfig:
+    """Shape of a from-scratch Qwen2-architecture model."""
+
+    hidden_size: int = field(default=128, metadata={"help": "model width"})
+    num_hidden_layers: int = field(default=3, metadata={"help": "transformer layers"})
+    num_attention_heads: int = field(default=4, metadata={"help": "query heads"})
+    num_key_value_heads: int = field(default=2, metadata={"help": "key/value heads (GQA)"})
+    intermediate_size: int = field(default=352, metadata={"help": "SwiGLU inner size"})
+    max_position_embeddings: int = field(default=256, metadata={"help": "longest sequence"})
+    rope_theta: float = field(default=10000.0, metadata={"help": "rotary base"})
+    tie_word_embeddings: bool = field(default=True, metadata={"help": "share input/output embeddings"})
+
+
+def ensure_random_checkpoint(out_dir: str, tokenizer_dir: str, arch: TinyArchConfig, seed: int) -> str:
+    """Write a seeded random Qwen2 model (and the tokenizer) to ``out_dir`` unless present."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    marker = os.path.join(out_dir, "realflow_init.json")
+    params = {"arch": asdict(arch), "seed": seed, "tokenizer": os.path.abspath(tokenizer_dir)}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == params:
+                return out_dir
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = Qwen2Config(
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="float32",
+        **asdict(arch),
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    with open(marker, "w") as f:
+        json.dump(params, f, indent=1)
+    return out_dir

@@ -1,0 +1,133 @@
+"""The SFT experiment: ``python -m realflow.apps.main_sft``.
+
+Default: a tiny Qwen2-architecture model trained from scratch on locally generated
+multi-digit arithmetic (GSM8K-shaped jsonl, ``#### answer``), with a tokenizer
+trained offline on that data, on 2 data-parallel CPU workers. Point ``model.path``
+and ``dataset.train_path`` at a real HF checkpoint and jsonl file to fine-tune
+something else.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+from experiments.init_model import TinyArchConfig, ensure_random_checkpoint
+from realflow.api.batch import MicroBatchSpec
+from realflow.api.dfg import graph_registry
+from realflow.api.experiment import (
+    BaseExperimentConfig,
+    DatasetSpec,
+    EvalSpec,
+    ExperimentSetup,
+    ModelSpec,
+    OptimizerConfig,
+    register_experiment,
+)
+
+
+@dataclass
+class SFTModelConfig:
+    path: str = field(default="", metadata={"help": "HF checkpoint to fine-tune ('' = tiny model from scratch)"})
+    tokenizer_path: str = field(default="", metadata={"help": "tokenizer dir ('' = model.path, or the task's own)"})
+    arch: TinyArchConfig = field(default_factory=TinyArchConfig)
+
+
+@dataclass
+class SFTDataConfig:
+    train_path: str = field(default="", metadata={"help": "jsonl with prompt + solution ('' = generate arithmetic)"})
+    test_path: str = field(default="", metadata={"help": "held-out jsonl with prompt + answer"})
+    n_train: int = field(default=50_000, metadata={"help": "generated training problems"})
+    n_test: int = field(default=200, metadata={"help": "generated held-out problems"})
+    difficulty: int = field(default=3, metadata={"help": "max operand digits of generated problems"})
+    data_seed: int = field(default=0, metadata={"help": "seed of the generated data"})
+    max_prompt_len: int = field(default=64, metadata={"help": "drop rows with longer prompts (tokens)"})
+    max_seq_len: int = field(default=128, metadata={"help": "drop rows with longer prompt+response"})
+
+
+@register_experiment("sft")
+@dataclass
+class SFTConfig(BaseExperimentConfig):
+    """Supervised fine-tuning on (prompt, solution) pairs; held-out exact match before/after."""
+
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
+    dataset: SFTDataConfig = field(default_factory=SFTDataConfig)
+    optimizer: OptimizerConfig = field(
+        default_factory=lambda: OptimizerConfig(lr=3e-3, weight_decay=0.01, warmup_steps_proportion=0.05)
+    )
+    batch_size: int = field(default=64, metadata={"help": "samples per optimizer step (global)"})
+    max_tokens_per_mb: int = field(default=4096, metadata={"help": "micro-batch token budget per worker"})
+    total_train_epochs: int = field(default=1, metadata={"help": "passes over the training data"})
+    max_train_steps: Optional[int] = field(default=1000, metadata={"help": "stop after this many steps"})
+    save_freq_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
+    eval_freq_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0 = before and after)"})
+    eval_max_new_tokens: int = field(default=12, metadata={"help": "greedy tokens per held-out prompt"})
+
+    # ---- derived paths: pure functions of the config ------------------------------------------
+    def _data_dir(self) -> str:
+        return os.path.abspath(os.path.join(self.fileroot, "data", f"arith-d{self.dataset.difficulty}-s{self.dataset.data_seed}"))
+
+    def _paths(self) -> tuple[str, str, str, str]:
+        """(train jsonl, test jsonl, tokenizer dir, model dir)."""
+        d = self._data_dir()
+        train = self.dataset.train_path or os.path.join(d, "train.jsonl")
+        test = self.dataset.test_path or os.path.join(d, "test.jsonl")
+        tok = self.model.tokenizer_path or (self.model.path or os.path.join(d, "tokenizer"))
+        model = self.model.path or os.path.join(self.run_dir("sft"), "init_model")
+        return train, test, tok, model
+
+    def prepare(self) -> None:
+        from experiments.tasks.arithmetic import ensure_dataset
+        from experiments.tasks.tokenizer import ensure_tokenizer
+
+        train, test, tok, model = self._paths()
+        ds = self.dataset
+        if not ds.train_path:
+            ensure_dataset(self._data_dir(), ds.n_train, ds.n_test, ds.data_seed, ds.difficulty)
+        if not self.model.path and not self.model.tokenizer_path:
+            ensure_tokenizer(tok, [train])
+        if not self.model.path:
+            ensure_random_checkpoint(model, tok, self.model.arch, self.seed)
+
+    def setup(self) -> ExperimentSetup:
+        train, test, tok, model = self._paths()
+        mb_spec = MicroBatchSpec(n_mbs=1, max_tokens_per_mb=self.max_tokens_per_mb)
+        mfcs = graph_registry.get("sft")(self.batch_size, mb_spec, role="default")
+        data_args = {"max_prompt_len": self.dataset.max_prompt_len, "max_seq_len": self.dataset.max_seq_len}
+        return ExperimentSetup(
+            experiment_name=self.experiment_name or "sft",
+            trial_name=self.trial_name,
+            mfcs=mfcs,
+            models={"default": ModelSpec(role="default", path=model, tokenizer_path=tok, optimizer=self.optimizer,
+                                         total_train_steps=self._total_steps_hint())},
+            dataset=DatasetSpec(format="sft", path=train, args=data_args),
+            n_workers=self.n_workers,
+            allocation=self.allocation or f"d{self.n_workers}",
+            run_dir=self.run_dir("sft"),
+            total_train_epochs=self.total_train_epochs,
+            max_train_steps=self.max_train_steps,
+            save_freq_steps=self.save_freq_steps,
+            eval=EvalSpec(
+                role="default",
+                dataset=DatasetSpec(format="prompt_answer", path=test, args={"max_prompt_len": self.dataset.max_prompt_len}),
+                interface_impl="sft",
+                interface_args={"eval_max_new_tokens": self.eval_max_new_tokens},
+                freq_steps=self.eval_freq_steps,
+            ),
+            seed=self.seed,
+            name_resolve=_asdict(self.name_resolve),
+            worker_threads=self.worker_threads,
+            trace=self.trace,
+        )
+
+    def _total_steps_hint(self) -> int:
+        """Steps for the lr schedule: known without reading the data when max_train_steps is set."""
+        if self.max_train_steps is not None:
+            return self.max_train_steps
+        return max(1, self.total_train_epochs * (self.dataset.n_train // self.batch_size))
+
+
+def _asdict(obj) -> dict:
+    from dataclasses import asdict
+
+    return asdict(obj)

@@ -1,0 +1,75 @@
+"""SFT interface: token-normalised NLL on answer tokens, and exact-match evaluation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mfc.math_reward import verify_answer
+from mfc.packed import next_token_targets
+from realflow.api.batch import MicroBatchSpec, SequenceBatch
+from realflow.api.interface import Model, ModelInterface, register_interface
+
+
+@register_interface("sft")
+@dataclass
+class SFTInterface(ModelInterface):
+    """Trains on the response tokens of (prompt, response) pairs.
+
+    The loss is the negative log-likelihood summed over response tokens and
+    divided by the number of response tokens in the *global* batch (the engine
+    all-reduces that count), so the update does not depend on how the batch is
+    split over data-parallel ranks or micro-batches.
+    """
+
+    eval_max_new_tokens: int = 16
+
+    def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
+        micro_batches = []
+        for mb in batch.micro_batches(mb_spec):
+            ids = mb.data["packed_input_ids"]
+            seqlens = [n for lens in mb.seqlens["packed_input_ids"] for n in lens]
+            targets, valid = next_token_targets(ids, seqlens)
+            # a target counts if it is a response token (not prompt) and inside its sequence
+            loss_mask = valid & ~torch.roll(mb.data["prompt_mask"], -1)
+            micro_batches.append((ids, seqlens, {"targets": targets, "mask": loss_mask}))
+        stats = model.module.train_batch(micro_batches, _nll_loss, _n_loss_tokens)
+        # caller stats come back summed over micro-batches and dp ranks
+        stats["token_acc"] = stats.pop("token_acc_sum") / max(stats.pop("n_loss_tokens"), 1.0)
+        return stats
+
+    def evaluate(self, model: Model, batch: SequenceBatch) -> dict[str, float]:
+        """Greedy-decode every prompt of this dp rank's shard; exact match, summed over ranks."""
+        key = "packed_prompts" if "packed_prompts" in batch.data else "packed_input_ids"
+        prompts = []
+        for i in range(len(batch)):
+            seq = batch.sequences(key, i)[0]
+            if key == "packed_input_ids":
+                seq = seq[batch.sequences("prompt_mask", i)[0].bool()]
+            prompts.append(seq.tolist())
+        tok = model.tokenizer
+        outputs = model.module.greedy_generate(prompts, self.eval_max_new_tokens, tok.eos_token_id)
+        correct = 0.0
+        for out, answer in zip(outputs, batch.metadata["answer"]):
+            text = tok.decode(out, skip_special_tokens=True)
+            correct += verify_answer(text, answer).reward
+        n_correct, n_total = model.module.dp_sum([correct, float(len(prompts))])
+        return {"accuracy": n_correct / max(n_total, 1.0), "n_eval": n_total}
+
+    def save(self, model: Model, path: str) -> None:
+        model.module.save_hf(path, tokenizer_dir=getattr(model.tokenizer, "name_or_path", None))
+
+
+def _nll_loss(logits: torch.Tensor, extra: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(-1, extra["targets"].unsqueeze(-1)).squeeze(-1)
+    mask = extra["mask"]
+    loss_sum = (nll * mask).sum()
+    with torch.no_grad():
+        hits = ((logits.argmax(-1) == extra["targets"]) & mask).sum()
+    return loss_sum, {"token_acc_sum": float(hits), "n_loss_tokens": float(mask.sum())}
+
+
+def _n_loss_tokens(extra: dict[str, Any]) -> float:
+    return float(extra["mask"].sum())

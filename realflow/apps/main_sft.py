@@ -1,0 +1,16 @@
+"""Supervised fine-tuning: ``python -m realflow.apps.main_sft [key=value ...]``.
+
+With no arguments it trains a tiny Qwen2-architecture model from scratch on a
+locally generated arithmetic task on 2 data-parallel CPU workers.
+"""
+import sys
+
+from realflow.apps.launch import main as launch_main
+
+
+def main(argv=None) -> int:
+    return launch_main("sft", argv, app="main_sft")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

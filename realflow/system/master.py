@@ -1,0 +1,274 @@
+"""Master: runs the execution plan step by step, holding only metadata.
+
+Per step the master (1) pulls sample metadata from the workers that loaded them,
+(2) for each MFC, in topological generations, assigns samples to data-parallel
+ranks, asks the holders of missing inputs to stage them in shared memory and tells
+the MFC's workers to run with those handles, (3) records who now holds each output
+key, and (4) reduces and logs the stats. MFCs of one generation are dispatched
+together, so MFCs on disjoint worker sets run at the same time.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+from typing import Any, Optional
+
+from realflow.api.batch import SequenceBatch
+from realflow.api.experiment import ExperimentSetup
+from realflow.api.mfc import MFCDef, ModelInterfaceType
+from realflow.base import names
+from realflow.base.logging import get_logger
+from realflow.base.stats import StatsLogger
+from realflow.base.trace import Tracer, merge_traces
+from realflow.system.placement import assign_to_dp_ranks
+from realflow.system.plan import ExecutionPlan
+from realflow.system.progress import ProgressReporter
+
+logger = get_logger("master")
+
+
+class MasterError(RuntimeError):
+    """The run cannot continue; the message names the MFC and worker involved."""
+
+
+class Master:
+    def __init__(self, setup: ExperimentSetup, plan: ExecutionPlan, endpoint, lost_workers=None):
+        self.setup = setup
+        self.lost_workers = lost_workers or (lambda: [])
+        self._req_worker: dict[int, str] = {}
+        self.plan = plan
+        self.ep = endpoint
+        self.workers = [names.model_worker_name(i) for i in range(setup.n_workers)]
+        self.holders: dict[tuple[str, str], set[int]] = defaultdict(set)
+        self.stats = StatsLogger(setup.run_dir)
+        self.tracer = Tracer("master", enabled=setup.trace)
+        self.progress = ProgressReporter(setup.run_dir)
+        self.batch_size = _batch_size(setup.mfcs)
+        self.step = 0
+        self.epoch = 0
+
+    # ---- request helpers ------------------------------------------------------
+    def _request(self, worker: int, handler: str, payload: dict, timeout: float) -> int:
+        rid = self.ep.request(self.workers[worker], handler, payload, timeout)
+        self._req_worker[rid] = self.workers[worker]
+        return rid
+
+    def _wait(self, rids: list[int], timeout: float) -> dict[int, Any]:
+        """Wait for replies, failing fast (and by name) when a worker stops heartbeating."""
+        end = time.monotonic() + timeout
+        try:
+            while True:
+                lost = set(self.lost_workers()) & {self._req_worker[r] for r in rids}
+                if lost:
+                    raise MasterError(f"worker(s) {sorted(lost)} stopped sending heartbeats; aborting the step")
+                remaining = end - time.monotonic()
+                self.ep.poll(max(0.0, min(1.0, remaining)))
+                if self.ep.done(rids) or time.monotonic() >= end:
+                    return self.ep.wait(rids, timeout=max(0.01, end - time.monotonic()))
+        finally:
+            for r in rids:
+                self._req_worker.pop(r, None)
+
+    def _all(self, handler: str, payload: dict, timeout: float, workers=None) -> dict[int, Any]:
+        targets = range(self.setup.n_workers) if workers is None else workers
+        reqs = {self._request(i, handler, payload, timeout): i for i in targets}
+        results = self._wait(list(reqs), timeout=timeout)
+        return {reqs[r]: v for r, v in results.items()}
+
+    # ---- the run --------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        s = self.setup
+        self.ep.wait_for_workers(self.workers, timeout=s.setup_timeout_s)
+        logger.info(f"all {len(self.workers)} model workers connected; setting up models")
+        with self.tracer.span("setup"):
+            ready = self._all("setup", {}, s.setup_timeout_s)
+        n_train = sum(r["n_train_samples"] for r in ready.values())
+        steps_per_epoch = max(1, n_train // self.batch_size)
+        total = s.total_train_epochs * steps_per_epoch
+        if s.max_train_steps is not None:
+            total = min(total, s.max_train_steps)
+        logger.info(f"{n_train} training samples, batch {self.batch_size}: {total} steps")
+        self.progress.start(total)
+        summary: dict[str, Any] = {"total_steps": total}
+        summary["eval_before"] = self._evaluate()
+        t_start = time.perf_counter()
+        for self.step in range(1, total + 1):
+            step_stats = self._run_step()
+            self.stats.log(self.step, step_stats)
+            self.progress.update(self.step, step_stats)
+            if s.eval is not None and s.eval.freq_steps and self.step % s.eval.freq_steps == 0 and self.step < total:
+                self._evaluate()
+            if s.save_freq_steps and self.step % s.save_freq_steps == 0 and self.step < total:
+                self._save(f"step{self.step}")
+        summary["train_time_s"] = time.perf_counter() - t_start
+        summary["eval_after"] = self._evaluate()
+        summary["checkpoints"] = self._save("final")
+        self._all("finish", {}, 120.0)
+        if s.trace:
+            trace_dir = os.path.join(s.run_dir, "trace")
+            self.tracer.save(os.path.join(trace_dir, "master.json"))
+            files = sorted(os.path.join(trace_dir, f) for f in os.listdir(trace_dir) if f.endswith(".json"))
+            summary["trace"] = str(merge_traces(files, os.path.join(s.run_dir, "trace.json")))
+        self.stats.close()
+        self.progress.finish(summary)
+        return summary
+
+    def _run_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        with self.tracer.span("fetch", step=self.step):
+            batch = self._fetch_batch()
+        stats: dict[str, float] = {"time/fetch": time.perf_counter() - t0}
+        for generation in self.plan.graph.topological_generations():
+            t = time.perf_counter()
+            with self.tracer.span("generation", mfcs=",".join(generation)):
+                results = self._run_generation([self.plan.graph.mfc(n) for n in generation], batch)
+            for name, mfc_stats in results.items():
+                stats.update({f"{name}/{k}": v for k, v in mfc_stats.items()})
+                stats[f"time/{name}"] = time.perf_counter() - t
+        self._all("drop", {"ids": batch.ids}, 60.0)
+        for key in [k for k in self.holders if k[0] in set(batch.ids)]:
+            del self.holders[key]
+        stats["time/step"] = time.perf_counter() - t0
+        stats["epoch"] = self.epoch
+        return stats
+
+    def _fetch_batch(self) -> SequenceBatch:
+        """Collect ``batch_size`` samples' metadata, spread evenly over the workers."""
+        parts: list[SequenceBatch] = []
+        need = self.batch_size
+        done_workers: set[int] = set()
+        while need > 0:
+            per = math.ceil(need / self.setup.n_workers)
+            replies = self._all("fetch", {"n": per}, 120.0)
+            for i in sorted(replies):
+                r = replies[i]
+                if r["batch"] is not None:
+                    b = SequenceBatch.from_wire(r["batch"])
+                    if len(b) > need:  # we asked everyone; keep what we need, drop the rest
+                        self._all("drop", {"ids": b.ids[need:]}, 60.0, workers=[i])
+                        b = b.select_ids(b.ids[:need])
+                    for sid in b.ids:
+                        for key in b.seqlens:
+                            self.holders[(sid, key)].add(i)
+                    parts.append(b)
+                    need -= len(b)
+                if r["epoch_done"]:
+                    done_workers.add(i)
+                if need <= 0:
+                    break
+        if len(done_workers) == self.setup.n_workers:
+            self.epoch += 1
+        return SequenceBatch.gather(parts)
+
+    def _run_generation(self, mfcs: list[MFCDef], batch: SequenceBatch) -> dict[str, dict[str, float]]:
+        """Stage inputs for, then run, every MFC of one topological generation."""
+        assignments: dict[str, dict[int, list[str]]] = {}
+        stage_reqs: dict[str, tuple[str, int]] = {}  # request id -> (mfc, destination worker)
+        for mfc in mfcs:
+            layout = self.plan.placements[mfc.name].layout
+            parts = assign_to_dp_ranks(batch, layout, self.holders)
+            assignments[mfc.name] = parts
+            for dp_rank, ids in parts.items():
+                for dest in layout.dp_members(dp_rank):
+                    for (holder, keys), sids in self._missing(ids, mfc.input_keys, dest).items():
+                        rid = self._request(holder, "stage", {"ids": sids, "keys": list(keys)}, 120.0)
+                        stage_reqs[rid] = (mfc.name, dest)
+        handles: dict[tuple[str, int], list[dict]] = defaultdict(list)
+        if stage_reqs:
+            for rid, handle in self._wait(list(stage_reqs), timeout=120.0).items():
+                handles[stage_reqs[rid]].append(handle)
+        run_reqs: dict[str, tuple[MFCDef, int]] = {}
+        for mfc in mfcs:
+            layout = self.plan.placements[mfc.name].layout
+            for dp_rank, ids in assignments[mfc.name].items():
+                for w in layout.dp_members(dp_rank):
+                    payload = {"mfc": mfc.name, "ids": ids, "receive": handles.get((mfc.name, w), [])}
+                    rid = self._request(w, "run_mfc", payload, self.setup.mfc_timeout_s)
+                    run_reqs[rid] = (mfc, w)
+                    for sid in ids:
+                        for key in mfc.input_keys:
+                            self.holders[(sid, key)].add(w)
+        replies = self._wait(list(run_reqs), timeout=self.setup.mfc_timeout_s)
+        results: dict[str, dict[str, float]] = {}
+        per_mfc: dict[str, list[dict]] = defaultdict(list)
+        for rid, reply in replies.items():
+            mfc, w = run_reqs[rid]
+            if reply.get("outputs") is not None:
+                out = SequenceBatch.from_wire(reply["outputs"])
+                for sid in out.ids:
+                    for key in out.seqlens:
+                        self.holders[(sid, key)].add(w)
+            if reply.get("stats"):
+                per_mfc[mfc.name].append(reply["stats"])
+        for mfc in mfcs:
+            results[mfc.name] = _mean_stats(per_mfc.get(mfc.name, []))
+            if mfc.interface_type != ModelInterfaceType.TRAIN_STEP:
+                for key in mfc.output_keys:
+                    missing = [sid for sid in batch.ids if not self.holders.get((sid, key))]
+                    if missing:
+                        raise MasterError(
+                            f"MFC '{mfc.name}' did not produce key '{key}' for {len(missing)} samples "
+                            f"(e.g. {missing[0]})"
+                        )
+        return results
+
+    def _missing(self, ids: list[str], keys, dest: int) -> dict[tuple[int, tuple[str, ...]], list[str]]:
+        """Group the (sample, key) pairs ``dest`` lacks by the worker that will send them."""
+        by_sample: dict[str, dict[int, list[str]]] = {}
+        for sid in ids:
+            per_holder: dict[int, list[str]] = defaultdict(list)
+            for key in keys:
+                held = self.holders.get((sid, key))
+                if not held:
+                    raise MasterError(f"no worker holds key '{key}' of sample '{sid}'")
+                if dest not in held:
+                    per_holder[min(held)].append(key)
+            by_sample[sid] = per_holder
+        groups: dict[tuple[int, tuple[str, ...]], list[str]] = defaultdict(list)
+        for sid, per_holder in by_sample.items():
+            for holder, ks in per_holder.items():
+                groups[(holder, tuple(ks))].append(sid)
+        return groups
+
+    def _evaluate(self) -> Optional[dict[str, float]]:
+        if self.setup.eval is None:
+            return None
+        with self.tracer.span("evaluate", step=self.step):
+            replies = self._all("evaluate", {}, self.setup.mfc_timeout_s)
+        stats = next((r["stats"] for _, r in sorted(replies.items()) if r["stats"]), None)
+        if stats:
+            self.stats.log(self.step, {f"eval/{k}": v for k, v in stats.items()})
+            self.progress.event(f"eval at step {self.step}: " + _fmt(stats))
+        return stats
+
+    def _save(self, tag: str) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for role in self.setup.train_roles():
+            path = os.path.join(self.setup.run_dir, "checkpoints", role, tag)
+            workers = list(self.plan.role_home[role].workers)
+            with self.tracer.span(f"save:{role}"):
+                self._all("save", {"role": role, "path": path}, self.setup.mfc_timeout_s, workers=workers)
+            out[role] = path
+            self.progress.event(f"saved {role} checkpoint: {path}")
+        return out
+
+
+def _batch_size(mfcs: list[MFCDef]) -> int:
+    sizes = {m.n_seqs for m in mfcs}
+    if len(sizes) != 1:
+        detail = ", ".join(f"{m.name}={m.n_seqs}" for m in mfcs)
+        raise MasterError(f"all MFCs of a graph must use the same batch size (n_seqs): {detail}")
+    return sizes.pop()
+
+
+def _mean_stats(items: list[dict]) -> dict[str, float]:
+    if not items:
+        return {}
+    keys = set().union(*items)
+    return {k: sum(float(d[k]) for d in items if k in d) / sum(1 for d in items if k in d) for k in keys}
+
+
+def _fmt(stats: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(stats.items()))

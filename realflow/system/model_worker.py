@@ -1,0 +1,196 @@
+"""Model worker: holds model shards and sample tensors, runs MFCs on request.
+
+A worker is a plain request handler. The master tells it what to do (fetch data,
+stage tensors for a peer, run an MFC, evaluate, save); it never decides on its own,
+which keeps every collective in the same order on every worker: requests are served
+one at a time, in arrival order, and the master sends them in one global order.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from realflow.api.backend import model_backends
+from realflow.api.batch import SequenceBatch
+from realflow.api.data_source import load_dataset_shard
+from realflow.api.experiment import ExperimentSetup
+from realflow.api.interface import Model, make_interface
+from realflow.api.mfc import ModelInterfaceType
+from realflow.base import names
+from realflow.base.logging import get_logger
+from realflow.base.network import find_free_port, host_address
+from realflow.base.seeding import set_seed
+from realflow.base.trace import Tracer
+from realflow.system.data_manager import DataManager
+from realflow.system.data_stream import ShardStream
+from realflow.system.plan import ExecutionPlan
+
+logger = get_logger("model_worker")
+
+
+class ModelWorker:
+    def __init__(self, setup: ExperimentSetup, plan: ExecutionPlan, index: int, resolver, on_finish=None):
+        self.setup = setup
+        self.plan = plan
+        self.index = index
+        self.name = names.model_worker_name(index)
+        self.resolver = resolver
+        self.data = DataManager(self.name)
+        self.models: dict[str, Model] = {}
+        self.interfaces: dict[str, Any] = {}
+        self.train_stream: ShardStream | None = None
+        self.eval_batch: SequenceBatch | None = None
+        self.tracer = Tracer(self.name, enabled=setup.trace)
+        self.on_finish = on_finish
+
+    # ---- handlers ---------------------------------------------------------------
+    def handlers(self) -> dict[str, Any]:
+        return {
+            "setup": self.setup_models,
+            "fetch": self.fetch,
+            "stage": self.stage,
+            "run_mfc": self.run_mfc,
+            "evaluate": self.evaluate,
+            "save": self.save,
+            "drop": self.drop,
+            "finish": self.finish,
+            "ping": lambda payload: {"worker": self.name},
+        }
+
+    def setup_models(self, payload: dict) -> dict:
+        """Join the world group, create every layout's groups, build this worker's models."""
+        t0 = time.perf_counter()
+        self._init_distributed()
+        set_seed(self.setup.seed, self.index)
+        groups: dict[str, Any] = {}
+        for role, layout in self.plan.group_order:
+            backend = model_backends.get(self.setup.models[role].backend)()
+            groups[role] = (backend, backend.build_groups(list(layout.workers), layout.strategy))
+        for role, (backend, grp) in groups.items():
+            if self.index not in self.plan.role_home[role].workers:
+                continue
+            spec = self.setup.models[role]
+            engine = backend.build_engine(spec, grp, self.setup.seed)
+            tokenizer = _load_tokenizer(spec.tokenizer_path or spec.path)
+            self.models[role] = Model(name=role, module=engine, tokenizer=tokenizer)
+        for mfc in self.setup.mfcs:
+            self.interfaces[mfc.name] = make_interface(mfc.interface_impl, **mfc.interface_args)
+        if self.setup.eval is not None:
+            ev = self.setup.eval
+            self.interfaces["__eval__"] = make_interface(ev.interface_impl, **ev.interface_args)
+        n_train = self._load_data()
+        logger.info(f"{self.name} ready in {time.perf_counter() - t0:.1f}s: models={sorted(self.models)}")
+        return {"worker": self.name, "n_train_samples": n_train}
+
+    def fetch(self, payload: dict) -> dict:
+        """Take the next ``n`` samples of this worker's shard; keep tensors, return metadata."""
+        assert self.train_stream is not None
+        batch, epoch_done = self.train_stream.next(int(payload["n"]))
+        if batch is None:
+            return {"batch": None, "epoch_done": epoch_done}
+        self.data.put(batch)
+        return {"batch": batch.meta().to_wire(), "epoch_done": epoch_done}
+
+    def stage(self, payload: dict) -> dict:
+        with self.tracer.span("stage", n=len(payload["ids"])):
+            return self.data.stage(payload["ids"], payload["keys"])
+
+    def run_mfc(self, payload: dict) -> dict:
+        mfc = self.plan.graph.mfc(payload["mfc"])
+        with self.tracer.span(f"receive:{mfc.name}"):
+            for handle in payload.get("receive", []):
+                self.data.receive(handle)
+        batch = self.data.get(payload["ids"], mfc.input_keys)
+        batch = batch.remap_keys(mfc.input_key_remap) if mfc.input_key_remap else batch
+        model = self.models[mfc.model_name]
+        iface = self.interfaces[mfc.name]
+        layout = self.plan.placements[mfc.name].layout
+        dp_rank = layout.coords(self.index)[0]
+        is_head = layout.dp_head(dp_rank) == self.index
+        with self.tracer.span(mfc.name, type=mfc.interface_type.name, n=len(batch)):
+            if mfc.interface_type == ModelInterfaceType.TRAIN_STEP:
+                stats = iface.train_step(model, batch, mfc.mb_spec)
+                model.version += 1
+                return {"stats": stats if is_head else None, "outputs": None}
+            fn = iface.generate if mfc.interface_type == ModelInterfaceType.GENERATE else iface.inference
+            out = fn(model, batch, mfc.mb_spec)
+        if mfc.output_key_remap:
+            out = out.remap_keys(mfc.output_key_remap)
+        out = out.select_keys([k for k in mfc.output_keys if k in out.seqlens])
+        self.data.put(out)
+        return {"stats": None, "outputs": out.meta().to_wire() if is_head else None}
+
+    def evaluate(self, payload: dict) -> dict:
+        ev = self.setup.eval
+        if ev is None or ev.role not in self.models:
+            return {"stats": None}
+        with self.tracer.span("evaluate"):
+            stats = self.interfaces["__eval__"].evaluate(self.models[ev.role], self.eval_batch)
+        return {"stats": stats}
+
+    def save(self, payload: dict) -> dict:
+        role = payload["role"]
+        if role not in self.models:
+            return {"path": None}
+        path = payload["path"]
+        with self.tracer.span(f"save:{role}"):
+            iface = next(self.interfaces[m.name] for m in self.setup.mfcs if m.model_name == role)
+            iface.save(self.models[role], path)
+        return {"path": path}
+
+    def drop(self, payload: dict) -> dict:
+        return {"dropped": self.data.drop(payload["ids"])}
+
+    def finish(self, payload: dict) -> dict:
+        self.tracer.save(os.path.join(self.setup.run_dir, "trace", f"{self.index}.json"))
+        if self.on_finish is not None:  # stop serving once this reply is sent
+            self.on_finish()
+        return {"worker": self.name}
+
+    # ---- internals --------------------------------------------------------------
+    def _init_distributed(self) -> None:
+        """Join the gloo world of all model workers; worker 0 publishes the rendezvous."""
+        if dist.is_initialized():
+            return
+        key = names.distributed_address(self.setup.experiment_name, self.setup.trial_name)
+        if self.index == 0:
+            addr = f"{host_address()}:{find_free_port()}"
+            self.resolver.add(key, addr, replace=True)
+        else:
+            addr = self.resolver.wait(key, timeout=self.setup.setup_timeout_s)
+        dist.init_process_group(
+            backend="gloo",
+            init_method=f"tcp://{addr}",
+            rank=self.index,
+            world_size=self.setup.n_workers,
+            timeout=datetime.timedelta(seconds=self.setup.setup_timeout_s),
+        )
+
+    def _load_data(self) -> int:
+        roles = self.plan.role_home
+        tok_role = next(iter(self.models), None)
+        tokenizer = self.models[tok_role].tokenizer if tok_role else None
+        if tokenizer is None:  # workers without models still serve data
+            spec = next(iter(self.setup.models.values()))
+            tokenizer = _load_tokenizer(spec.tokenizer_path or spec.path)
+        samples = load_dataset_shard(self.setup.dataset, tokenizer, self.index, self.setup.n_workers)
+        self.train_stream = ShardStream(samples, seed=self.setup.seed + self.index)
+        ev = self.setup.eval
+        if ev is not None and ev.role in self.models:
+            layout = roles[ev.role]
+            dp_rank = layout.coords(self.index)[0]
+            self.eval_batch = SequenceBatch.gather(
+                load_dataset_shard(ev.dataset, tokenizer, dp_rank, layout.strategy.dp)
+            )
+        return len(samples)
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,109 @@
+"""Entry point of every realflow process started by a scheduler.
+
+    python -m realflow.system.worker_main --role master|model_worker --index I \
+        --experiment NAME [--import MODULE ...] -- key=value ...
+
+Each process rebuilds the experiment from the same command line (nothing is
+pickled between processes), finds its peers through name resolution, and talks to
+them over authenticated ZMQ sockets (secret from ``REALFLOW_SECRET``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+
+import torch
+
+from realflow.api.config import import_modules, parse_overrides
+from realflow.api.experiment import ExperimentSetup, experiment_registry
+from realflow.base import names
+from realflow.base.logging import get_logger
+from realflow.base.name_resolve import make_name_resolver
+from realflow.comm.auth import secret_from_env
+from realflow.system.plan import compile_plan
+
+logger = get_logger("worker_main")
+
+
+def build_setup(experiment: str, overrides: list[str]) -> tuple[object, ExperimentSetup]:
+    cls = experiment_registry.get(experiment)
+    cfg = parse_overrides(cls, overrides)
+    return cfg, cfg.setup()
+
+
+def resolver_for(setup: ExperimentSetup):
+    conf = dict(setup.name_resolve)
+    if conf.get("type", "file") == "file" and not conf.get("root"):
+        conf["root"] = os.path.join(setup.run_dir, "name_resolve")
+    return make_name_resolver(conf)
+
+
+def run_master(setup: ExperimentSetup, secret: bytes) -> int:
+    from realflow.comm.heartbeat import HeartbeatMonitor
+    from realflow.comm.rpc import MasterEndpoint
+    from realflow.system.master import Master
+
+    plan = compile_plan(setup)
+    resolver = resolver_for(setup)
+    endpoint = MasterEndpoint(secret)
+    monitor = HeartbeatMonitor(secret, timeout=setup.heartbeat_timeout_s)
+    key = names.master_address(setup.experiment_name, setup.trial_name)
+    resolver.add(key, endpoint.address, replace=True)
+    resolver.add(names.heartbeat_address(setup.experiment_name, setup.trial_name), monitor.address, replace=True)
+    try:
+        summary = Master(setup, plan, endpoint, lost_workers=monitor.lost_workers).run()
+        logger.info(f"run finished: {summary}")
+        return 0
+    finally:
+        monitor.close()
+        endpoint.close()
+
+
+def run_model_worker(setup: ExperimentSetup, index: int, secret: bytes) -> int:
+    from realflow.comm.heartbeat import Heartbeater
+    from realflow.comm.rpc import WorkerEndpoint
+    from realflow.system.model_worker import ModelWorker
+
+    plan = compile_plan(setup)
+    resolver = resolver_for(setup)
+    name = names.model_worker_name(index)
+    exp, trial = setup.experiment_name, setup.trial_name
+    master_addr = resolver.wait(names.master_address(exp, trial), timeout=setup.setup_timeout_s)
+    hb_addr = resolver.wait(names.heartbeat_address(exp, trial), timeout=setup.setup_timeout_s)
+    beat = Heartbeater(name, hb_addr, secret).start()
+    endpoint = WorkerEndpoint(name, master_addr, secret)
+    stop = threading.Event()
+    worker = ModelWorker(setup, plan, index, resolver, on_finish=stop.set)
+    try:
+        endpoint.serve(worker.handlers(), stop)
+        return 0
+    finally:
+        beat.stop()
+        endpoint.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(prog="realflow.system.worker_main")
+    p.add_argument("--role", required=True, choices=["master", "model_worker"])
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--import", dest="imports", action="append", default=[])
+    args = p.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("REALFLOW_NUM_THREADS", "1")))
+    import_modules(args.imports)
+    _, setup = build_setup(args.experiment, overrides)
+    secret = secret_from_env()
+    if args.role == "master":
+        return run_master(setup, secret)
+    return run_model_worker(setup, args.index, secret)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

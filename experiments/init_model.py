@@ -37,6 +37,9 @@ def ensure_random_checkpoint(out_dir: str, tokenizer_dir: str, arch: TinyArchCon
         with open(marker) as f:
             if json.load(f) == params:
                 return out_dir
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keep the launcher's console to realflow's own lines
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = Qwen2Config(
         vocab_size=len(tok),

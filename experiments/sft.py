@@ -72,7 +72,9 @@ class SFTConfig(BaseExperimentConfig):
         d = self._data_dir()
         train = self.dataset.train_path or os.path.join(d, "train.jsonl")
         test = self.dataset.test_path or os.path.join(d, "test.jsonl")
-        tok = self.model.tokenizer_path or (self.model.path or os.path.join(d, "tokenizer"))
+        # a tokenizer trained on user data lives with the run, not with the generated data
+        own_tok = os.path.join(d if not self.dataset.train_path else self.run_dir("sft"), "tokenizer")
+        tok = self.model.tokenizer_path or self.model.path or own_tok
         model = self.model.path or os.path.join(self.run_dir("sft"), "init_model")
         return train, test, tok, model
 
@@ -98,8 +100,7 @@ class SFTConfig(BaseExperimentConfig):
             experiment_name=self.experiment_name or "sft",
             trial_name=self.trial_name,
             mfcs=mfcs,
-            models={"default": ModelSpec(role="default", path=model, tokenizer_path=tok, optimizer=self.optimizer,
-                                         total_train_steps=self._total_steps_hint())},
+            models={"default": ModelSpec(role="default", path=model, tokenizer_path=tok, optimizer=self.optimizer)},
             dataset=DatasetSpec(format="sft", path=train, args=data_args),
             n_workers=self.n_workers,
             allocation=self.allocation or f"d{self.n_workers}",
@@ -119,12 +120,6 @@ class SFTConfig(BaseExperimentConfig):
             worker_threads=self.worker_threads,
             trace=self.trace,
         )
-
-    def _total_steps_hint(self) -> int:
-        """Steps for the lr schedule: known without reading the data when max_train_steps is set."""
-        if self.max_train_steps is not None:
-            return self.max_train_steps
-        return max(1, self.total_train_epochs * (self.dataset.n_train // self.batch_size))
 
 
 def _asdict(obj) -> dict:

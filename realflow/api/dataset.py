@@ -198,8 +198,10 @@ def load_rows(path: str | os.PathLike, fmt: str = "prompt_answer") -> list:
         seen[rid] = lineno
         try:
             row = parser(raw)
-        except (ValueError, TypeError, KeyError) as e:
-            raise DataRowError(path, lineno, str(e).strip("'\"") or type(e).__name__) from None
+        except KeyError as e:  # a user parser indexing raw[...] directly
+            raise DataRowError(path, lineno, f"missing field {e.args[0]!r}" if e.args else "KeyError") from None
+        except (ValueError, TypeError) as e:
+            raise DataRowError(path, lineno, str(e) or type(e).__name__) from None
         rows.append(dataclasses.replace(row, id=rid))
     if not rows:
         raise DataRowError(path, 0, "data file has no rows")

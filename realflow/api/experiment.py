@@ -48,7 +48,7 @@ class ModelSpec:
     tokenizer_path: Optional[str] = None
     optimizer: Optional[OptimizerConfig] = None
     backend: str = "megatron"
-    total_train_steps: int = 0
+    total_train_steps: int = 0  # set by the runtime once the data is counted
     backend_args: dict[str, Any] = field(default_factory=dict)
 
 

@@ -19,6 +19,7 @@ from realflow.api.config import ConfigError, format_help, import_modules, parse_
 from realflow.api.experiment import experiment_registry
 from realflow.comm.auth import new_secret
 from realflow.system.plan import compile_plan
+from realflow.system.preflight import PreflightError, preflight
 from realflow.system.progress import ProgressFollower
 
 BUILTIN_MODULES = ["experiments"]
@@ -81,7 +82,12 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
         plan.graph.draw(png, placement={n: p.layout.short() for n, p in plan.placements.items()})
         print(f"graph with placement drawn to {png}")
         return 0
-    cfg.prepare()
+    try:
+        cfg.prepare()
+        preflight(setup)
+    except PreflightError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return launch_local(experiment, imports, overrides, setup)
 
 
@@ -114,8 +120,13 @@ def launch_local(experiment: str, imports: list[str], overrides: list[str], setu
             view.refresh()
         view.refresh()
     except WorkerFailed as e:
+        view.refresh()
         view.close()
-        print(f"error: {e}", file=sys.stderr)
+        if view.follower.error:  # the master named the culprit; the log tail has the details
+            print(f"error: {view.follower.error}", file=sys.stderr)
+            print(f"(details: {e.log_path})", file=sys.stderr)
+        else:
+            print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         view.close()

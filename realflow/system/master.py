@@ -81,15 +81,17 @@ class Master:
     def run(self) -> dict[str, Any]:
         s = self.setup
         self.ep.wait_for_workers(self.workers, timeout=s.setup_timeout_s)
-        logger.info(f"all {len(self.workers)} model workers connected; setting up models")
-        with self.tracer.span("setup"):
-            ready = self._all("setup", {}, s.setup_timeout_s)
-        n_train = sum(r["n_train_samples"] for r in ready.values())
+        logger.info(f"all {len(self.workers)} model workers connected; loading data")
+        with self.tracer.span("load_data"):
+            loaded = self._all("load_data", {}, s.setup_timeout_s)
+        n_train = sum(r["n_train_samples"] for r in loaded.values())
         steps_per_epoch = max(1, n_train // self.batch_size)
         total = s.total_train_epochs * steps_per_epoch
         if s.max_train_steps is not None:
             total = min(total, s.max_train_steps)
-        logger.info(f"{n_train} training samples, batch {self.batch_size}: {total} steps")
+        logger.info(f"{n_train} training samples, batch {self.batch_size}: {total} steps; setting up models")
+        with self.tracer.span("setup"):
+            self._all("setup", {"total_train_steps": total}, s.setup_timeout_s)
         self.progress.start(total)
         summary: dict[str, Any] = {"total_steps": total}
         summary["eval_before"] = self._evaluate()

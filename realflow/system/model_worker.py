@@ -7,6 +7,7 @@ one at a time, in arrival order, and the master sends them in one global order.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import time
@@ -51,6 +52,7 @@ class ModelWorker:
     # ---- handlers ---------------------------------------------------------------
     def handlers(self) -> dict[str, Any]:
         return {
+            "load_data": self.load_data,
             "setup": self.setup_models,
             "fetch": self.fetch,
             "stage": self.stage,
@@ -62,8 +64,16 @@ class ModelWorker:
             "ping": lambda payload: {"worker": self.name},
         }
 
+    def load_data(self, payload: dict) -> dict:
+        """Tokenize this worker's shard of the training data (and of the eval data)."""
+        return {"worker": self.name, "n_train_samples": self._load_data()}
+
     def setup_models(self, payload: dict) -> dict:
-        """Join the world group, create every layout's groups, build this worker's models."""
+        """Join the world group, create every layout's groups, build this worker's models.
+
+        ``payload["total_train_steps"]`` is known only once the master has counted the
+        data, and sizes the learning-rate schedule of every trained model.
+        """
         t0 = time.perf_counter()
         self._init_distributed()
         set_seed(self.setup.seed, self.index)
@@ -75,6 +85,8 @@ class ModelWorker:
             if self.index not in self.plan.role_home[role].workers:
                 continue
             spec = self.setup.models[role]
+            if spec.optimizer is not None:
+                spec = dataclasses.replace(spec, total_train_steps=int(payload["total_train_steps"]))
             engine = backend.build_engine(spec, grp, self.setup.seed)
             tokenizer = _load_tokenizer(spec.tokenizer_path or spec.path)
             self.models[role] = Model(name=role, module=engine, tokenizer=tokenizer)
@@ -83,9 +95,8 @@ class ModelWorker:
         if self.setup.eval is not None:
             ev = self.setup.eval
             self.interfaces["__eval__"] = make_interface(ev.interface_impl, **ev.interface_args)
-        n_train = self._load_data()
         logger.info(f"{self.name} ready in {time.perf_counter() - t0:.1f}s: models={sorted(self.models)}")
-        return {"worker": self.name, "n_train_samples": n_train}
+        return {"worker": self.name}
 
     def fetch(self, payload: dict) -> dict:
         """Take the next ``n`` samples of this worker's shard; keep tensors, return metadata."""
@@ -173,15 +184,12 @@ class ModelWorker:
 
     def _load_data(self) -> int:
         roles = self.plan.role_home
-        tok_role = next(iter(self.models), None)
-        tokenizer = self.models[tok_role].tokenizer if tok_role else None
-        if tokenizer is None:  # workers without models still serve data
-            spec = next(iter(self.setup.models.values()))
-            tokenizer = _load_tokenizer(spec.tokenizer_path or spec.path)
+        spec = next(iter(self.setup.models.values()))
+        tokenizer = _load_tokenizer(spec.tokenizer_path or spec.path)
         samples = load_dataset_shard(self.setup.dataset, tokenizer, self.index, self.setup.n_workers)
         self.train_stream = ShardStream(samples, seed=self.setup.seed + self.index)
         ev = self.setup.eval
-        if ev is not None and ev.role in self.models:
+        if ev is not None and self.index in roles[ev.role].workers:
             layout = roles[ev.role]
             dp_rank = layout.coords(self.index)[0]
             self.eval_batch = SequenceBatch.gather(

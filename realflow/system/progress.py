@@ -33,6 +33,10 @@ class ProgressReporter:
     def event(self, message: str) -> None:
         self._write("event", message=message)
 
+    def error(self, message: str) -> None:
+        """The run failed; ``message`` is one line naming the culprit."""
+        self._write("error", message=message)
+
     def finish(self, summary: dict[str, Any]) -> None:
         self._write("finish", summary=summary)
         self._f.close()
@@ -46,6 +50,7 @@ class ProgressFollower:
         self._offset = 0
         self._partial = ""
         self.summary: Optional[dict[str, Any]] = None
+        self.error: Optional[str] = None
 
     def poll(self, on_record: Callable[[dict[str, Any]], None]) -> None:
         if not os.path.exists(self.path):
@@ -62,4 +67,6 @@ class ProgressFollower:
                 rec = json.loads(line)
                 if rec["kind"] == "finish":
                     self.summary = rec["summary"]
+                elif rec["kind"] == "error":
+                    self.error = rec["message"]
                 on_record(rec)

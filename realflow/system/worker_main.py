@@ -52,13 +52,28 @@ def run_master(setup: ExperimentSetup, secret: bytes) -> int:
     key = names.master_address(setup.experiment_name, setup.trial_name)
     resolver.add(key, endpoint.address, replace=True)
     resolver.add(names.heartbeat_address(setup.experiment_name, setup.trial_name), monitor.address, replace=True)
+    master = Master(setup, plan, endpoint, lost_workers=monitor.lost_workers)
     try:
-        summary = Master(setup, plan, endpoint, lost_workers=monitor.lost_workers).run()
+        summary = master.run()
         logger.info(f"run finished: {summary}")
         return 0
+    except Exception as e:  # report one line naming the culprit, keep the traceback in the log
+        logger.exception("run failed")
+        master.progress.error(one_line_error(e))
+        return 1
     finally:
         monitor.close()
         endpoint.close()
+
+
+def one_line_error(e: BaseException) -> str:
+    """The culprit of a failed run in one line (a worker's traceback is left to the logs)."""
+    from realflow.comm.rpc import RemoteError
+
+    if isinstance(e, RemoteError):
+        lines = [ln for ln in e.remote_traceback.strip().splitlines() if ln.strip()]
+        return f"{e.worker} failed in '{e.handler}': {lines[-1].strip() if lines else 'unknown error'}"
+    return f"{type(e).__name__}: {e}".splitlines()[0]
 
 
 def run_model_worker(setup: ExperimentSetup, index: int, secret: bytes) -> int:

@@ -1,0 +1,103 @@
+"""HMAC signing: secrets from the environment, tampering, truncation, wrong secret, replay, addressing."""
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+
+from realflow.comm.auth import (SECRET_ENV, AuthError, Signer, Verifier, check_secret, new_secret,
+                                secret_from_env, secret_to_hex)
+
+SECRET = new_secret()
+
+
+def signed(frames, sender="w0", to="master", secret=SECRET):
+    return [bytes(memoryview(f)) for f in Signer(secret, sender).sign(frames, to=to)]
+
+
+def test_secret_helpers():
+    s = new_secret()
+    assert len(s) == 32 and s != new_secret()
+    assert secret_from_env(environ={SECRET_ENV: secret_to_hex(s)}) == s
+    with pytest.raises(KeyError, match=SECRET_ENV):
+        secret_from_env(environ={})
+    with pytest.raises(ValueError, match=f"{SECRET_ENV} is not valid hex"):
+        secret_from_env(environ={SECRET_ENV: "zz"})
+    with pytest.raises(ValueError, match="at least 16"):
+        secret_from_env(environ={SECRET_ENV: "abcd"})
+    with pytest.raises(TypeError):
+        check_secret("a string secret")
+
+
+def test_valid_message_verifies():
+    v = Verifier(SECRET, "master")
+    env, payload = v.verify(signed([b"header", b"x" * 1000]))
+    assert env.sender == "w0" and env.to == "master" and env.seq == 1
+    assert [bytes(p) for p in payload] == [b"header", b"x" * 1000]
+
+
+@pytest.mark.parametrize("frame_index, pos", [(0, 5), (0, 40), (0, -1), (1, 3), (1, -1)])  # mac, header, payload
+def test_any_flipped_byte_is_rejected(frame_index, pos):
+    frames = signed([b"payload-header", b"tensor-bytes"])
+    f = bytearray(frames[frame_index])
+    f[pos] ^= 0x01
+    frames[frame_index] = bytes(f)
+    with pytest.raises(AuthError):
+        Verifier(SECRET, "master").verify(frames)
+
+
+def test_wrong_secret_names_claimed_sender():
+    with pytest.raises(AuthError, match="bad signature") as ei:
+        Verifier(SECRET, "master").verify(signed([b"p"], sender="w7", secret=new_secret()))
+    assert ei.value.claimed_sender == "w7"
+
+
+def test_unsigned_and_garbled():
+    v = Verifier(SECRET, "master")
+    def frame(header: bytes, hlen: int | None = None) -> bytes:
+        return b"\x00" * 32 + (len(header) if hlen is None else hlen).to_bytes(2, "little") + header + b"payload"
+
+    for frames in ([], [b"just one frame"], [b"a", b"b", b"c"], [frame(b"\xc1\xc1")], [frame(b"abc", hlen=500)],
+                   [frame(b"abc", hlen=5000)], [frame(msgpack.packb([1, "w0"]))],
+                   [frame(msgpack.packb([1, "w0", "master", b"s", "seq?", 1.0, [7]]))]):
+        with pytest.raises(AuthError):
+            v.verify(frames)
+
+
+def test_truncation_and_splicing():
+    v = Verifier(SECRET, "master")
+    frames = signed([b"head", b"0123456789"])
+    with pytest.raises(AuthError, match="truncated"):
+        v.verify(frames[:-1])  # a frame dropped
+    with pytest.raises(AuthError, match="truncated"):
+        v.verify(frames[:-1] + [frames[-1][:5]])  # a frame cut short
+    with pytest.raises(AuthError, match="truncated"):
+        v.verify([frames[0] + b"0", frames[1][1:]])  # bytes moved between frames
+
+
+def test_replay_and_duplicates_rejected():
+    signer = Signer(SECRET, "w0")
+    v = Verifier(SECRET, "master")
+    m1 = signer.sign([b"one"], to="master")
+    m2 = signer.sign([b"two"], to="master")
+    v.verify(m1)
+    with pytest.raises(AuthError, match="replayed"):
+        v.verify(m1)
+    v.verify(m2)
+    with pytest.raises(AuthError, match="replayed"):
+        v.verify(m1)  # an older message after a newer one
+
+
+def test_addressing():
+    with pytest.raises(AuthError, match="addressed to 'w1'"):
+        Verifier(SECRET, "w2").verify(signed([b"p"], sender="master", to="w1"))
+    Verifier(SECRET, "w2").verify(signed([b"p"], sender="master", to="*"))
+
+
+def test_stale_message_from_unknown_session(monkeypatch):
+    frames = signed([b"p"])
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 1000)
+    with pytest.raises(AuthError, match="stale"):
+        Verifier(SECRET, "master", max_age=120).verify(frames)

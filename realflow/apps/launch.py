@@ -17,13 +17,14 @@ from typing import Optional
 
 from realflow.api.config import ConfigError, format_help, import_modules, parse_overrides
 from realflow.api.experiment import experiment_registry
+from realflow.comm import shm
 from realflow.comm.auth import new_secret
 from realflow.system.plan import compile_plan
 from realflow.system.preflight import PreflightError, preflight
 from realflow.system.progress import ProgressFollower
 
 BUILTIN_MODULES = ["experiments"]
-USAGE = "usage: python -m realflow.apps.{app} [key=value ...] [--import MODULE] [--dry-run] [--help]"
+USAGE = "usage: python -m realflow.apps.{app} [key=value ...] [--import MODULE] [--dry-run] [--console] [--help]"
 
 
 class UsageError(Exception):
@@ -59,6 +60,8 @@ def _split_args(argv: list[str]) -> tuple[list[str], list[str], bool, bool, Opti
 def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str = "main") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        console = "--console" in argv
+        argv = [a for a in argv if a != "--console"]
         imports, overrides, dry_run, show_help, exp_arg = _split_args(argv)
         experiment = exp_arg or experiment
         import_modules(BUILTIN_MODULES + imports)
@@ -88,12 +91,12 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
     except PreflightError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return launch_local(experiment, imports, overrides, setup)
+    return launch_local(experiment, imports, overrides, setup, merged_console=console)
 
 
-def launch_local(experiment: str, imports: list[str], overrides: list[str], setup) -> int:
+def launch_local(experiment: str, imports: list[str], overrides: list[str], setup, merged_console: bool = False) -> int:
     """Run master + model workers as local processes until the master finishes."""
-    from realflow.scheduler.local import LocalScheduler, WorkerFailed
+    from realflow.scheduler.local import LocalScheduler
 
     for stale in ("name_resolve", "progress.jsonl", "trace"):
         path = os.path.join(setup.run_dir, stale)
@@ -107,7 +110,8 @@ def launch_local(experiment: str, imports: list[str], overrides: list[str], setu
     common = ["--experiment", experiment]
     for mod in BUILTIN_MODULES + imports:
         common += ["--import", mod]
-    sched = LocalScheduler(log_dir, console=False)
+    # default console: a progress bar and the master's events; --console: every process's log lines, merged
+    sched = LocalScheduler(log_dir, console=merged_console)
     entry = [sys.executable, "-m", "realflow.system.worker_main"]
     print(f"run directory: {setup.run_dir}  (logs: {log_dir})", flush=True)
     sched.submit("master", entry + ["--role", "master"] + common + ["--"] + overrides, env=env, n_threads=1)
@@ -115,6 +119,15 @@ def launch_local(experiment: str, imports: list[str], overrides: list[str], setu
         argv = entry + ["--role", "model_worker", "--index", str(i)] + common + ["--"] + overrides
         sched.submit(f"model_worker/{i}", argv, env=env, n_threads=setup.worker_threads)
     view = ConsoleView(setup.run_dir)
+    try:
+        return _follow(sched, view, setup)
+    finally:  # segments a dead consumer never mapped would otherwise outlive the run
+        shm.cleanup_segments(shm.segment_prefix(setup.experiment_name, setup.trial_name))
+
+
+def _follow(sched, view: "ConsoleView", setup) -> int:
+    from realflow.scheduler.local import WorkerFailed
+
     try:
         while not sched.wait(timeout=0.5):
             view.refresh()

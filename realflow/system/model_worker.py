@@ -27,6 +27,7 @@ from realflow.base.logging import get_logger
 from realflow.base.network import find_free_port, host_address
 from realflow.base.seeding import set_seed
 from realflow.base.trace import Tracer
+from realflow.comm import shm
 from realflow.system.data_manager import DataManager
 from realflow.system.data_stream import ShardStream
 from realflow.system.plan import ExecutionPlan
@@ -41,7 +42,7 @@ class ModelWorker:
         self.index = index
         self.name = names.model_worker_name(index)
         self.resolver = resolver
-        self.data = DataManager(self.name)
+        self.data = DataManager(self.name, shm.segment_prefix(setup.experiment_name, setup.trial_name))
         self.models: dict[str, Model] = {}
         self.interfaces: dict[str, Any] = {}
         self.train_stream: ShardStream | None = None
@@ -159,6 +160,7 @@ class ModelWorker:
 
     def finish(self, payload: dict) -> dict:
         self.tracer.save(os.path.join(self.setup.run_dir, "trace", f"{self.index}.json"))
+        self.data.close()
         if self.on_finish is not None:  # stop serving once this reply is sent
             self.on_finish()
         return {"worker": self.name}

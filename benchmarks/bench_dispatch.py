@@ -1,0 +1,180 @@
+"""Empty-MFC dispatch round trip through the real master and model worker vs raw ZMQ.
+
+One command:  python benchmarks/bench_dispatch.py [--n 500] [--rounds 5]
+
+Ours: this process is the master (``realflow.system.master.Master``); one model
+worker runs as a separate process (``realflow.system.worker_main``) with a registered
+no-op interface and no model. Each round trip is one call of the master's
+``_run_generation`` for an inference MFC on 8 samples: data-parallel assignment,
+transfer grouping, a signed ``run_mfc`` request, the worker gathering the inputs from
+its store, calling the interface, storing the 8-sample output and replying with its
+metadata, and the master recording who holds the outputs.
+Baseline: a raw ZMQ ROUTER->DEALER echo of an empty frame to a process on the same
+host (no codec, no signing, no dispatch). Rounds alternate; medians are reported.
+Goal: ours <= 2x the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from realflow.api.backend import register_backend  # noqa: E402
+from realflow.api.batch import MicroBatchSpec, SequenceBatch  # noqa: E402
+from realflow.api.experiment import (  # noqa: E402
+    BaseExperimentConfig, DatasetSpec, ExperimentSetup, ModelSpec, register_experiment)
+from realflow.api.interface import ModelInterface, register_interface  # noqa: E402
+from realflow.api.mfc import MFCDef, ModelInterfaceType  # noqa: E402
+
+N_SAMPLES = 8
+
+
+@register_interface("bench_null")
+class NullInterface(ModelInterface):
+    """Returns a one-element output per sample and does nothing else."""
+
+    def inference(self, model, batch, mb_spec):
+        return SequenceBatch(ids=batch.ids, seqlens={"out": [[1]] * len(batch)},
+                             data={"out": torch.zeros(len(batch))})
+
+
+@register_backend("bench_null")
+class NullBackend:
+    def build_groups(self, ranks, strategy):
+        return None
+
+    def build_engine(self, spec, groups, seed):
+        return None
+
+
+@register_experiment("bench_dispatch")
+@dataclass
+class BenchDispatchConfig(BaseExperimentConfig):
+    data_dir: str = ""
+
+    def setup(self) -> ExperimentSetup:
+        mfc = MFCDef(name="null_infer", model_name="null", interface_type=ModelInterfaceType.INFERENCE,
+                     interface_impl="bench_null", input_keys=("packed_prompts",), output_keys=("out",),
+                     n_seqs=N_SAMPLES, mb_spec=MicroBatchSpec())
+        tok = os.path.join(self.data_dir, "tokenizer")
+        return ExperimentSetup(
+            experiment_name="bench_dispatch", trial_name=self.trial_name, mfcs=[mfc],
+            models={"null": ModelSpec(role="null", path=tok, tokenizer_path=tok, backend="bench_null")},
+            dataset=DatasetSpec(format="prompt_answer", path=os.path.join(self.data_dir, "train.jsonl")),
+            n_workers=1, allocation="d1", run_dir=os.path.join(self.data_dir, "run"), trace=False,
+            name_resolve={"type": "file", "root": os.path.join(self.data_dir, "names")},
+        )
+
+
+def make_data(data_dir: str) -> None:
+    from experiments.tasks.arithmetic import ensure_dataset
+    from experiments.tasks.tokenizer import ensure_tokenizer
+
+    paths = ensure_dataset(data_dir, 64, 8, seed=0, difficulty=2)
+    ensure_tokenizer(os.path.join(data_dir, "tokenizer"), [paths.train])
+
+
+class RawEcho:
+    """Baseline: a ROUTER here, bench_rpc.py's DEALER echo process there."""
+
+    def __init__(self):
+        import zmq
+
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, 60_000)
+        self.sock.bind("tcp://127.0.0.1:*")
+        addr = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        script = os.path.join(REPO, "benchmarks", "bench_rpc.py")
+        self.proc = subprocess.Popen([sys.executable, script, "--role", "raw", "--address", addr])
+        assert self.sock.recv_multipart() == [b"raw", b"hello"], "raw echo process did not connect"
+        self.sock.setsockopt(zmq.RCVTIMEO, 10_000)
+
+    def round_trips(self, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.sock.send_multipart([b"raw", b""])
+            self.sock.recv_multipart()
+        return (time.perf_counter() - t0) / n
+
+    def close(self) -> None:
+        self.sock.send_multipart([b"raw", b"stop"])
+        self.proc.wait(timeout=10)
+        self.sock.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=500, help="round trips per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    from realflow.comm.auth import new_secret
+    from realflow.comm.heartbeat import HeartbeatMonitor
+    from realflow.comm.rpc import MasterEndpoint
+    from realflow.system.master import Master
+    from realflow.system.plan import compile_plan
+    from realflow.system.worker_main import resolver_for
+
+    with tempfile.TemporaryDirectory() as tmp:
+        make_data(tmp)
+        cfg = BenchDispatchConfig(data_dir=tmp, n_workers=1)
+        setup = cfg.setup()
+        secret = new_secret()
+        resolver = resolver_for(setup)
+        endpoint, monitor = MasterEndpoint(secret), HeartbeatMonitor(secret)
+        from realflow.base import names
+
+        resolver.add(names.master_address(setup.experiment_name, setup.trial_name), endpoint.address)
+        resolver.add(names.heartbeat_address(setup.experiment_name, setup.trial_name), monitor.address)
+        env = dict(os.environ, REALFLOW_SECRET=secret.hex(), PYTHONPATH=REPO + os.pathsep + os.path.join(REPO, "benchmarks"))
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "realflow.system.worker_main", "--role", "model_worker", "--index", "0",
+             "--experiment", "bench_dispatch", "--import", "bench_dispatch", "--", f"data_dir={tmp}"],
+            cwd=REPO, env=env)
+        try:
+            master = Master(setup, compile_plan(setup), endpoint, lost_workers=monitor.lost_workers)
+            endpoint.wait_for_workers(master.workers, timeout=120)
+            master._all("load_data", {}, 120)
+            master._all("setup", {"total_train_steps": 1}, 120)
+            batch = master._fetch_batch()
+            mfc = setup.mfcs[0]
+            echo = RawEcho()
+            for _ in range(50):  # warm up both paths
+                master._run_generation([mfc], batch)
+            echo.round_trips(200)
+            ours, raw = [], []
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                for _ in range(args.n):
+                    master._run_generation([mfc], batch)
+                ours.append((time.perf_counter() - t0) / args.n)
+                raw.append(echo.round_trips(args.n))
+            echo.close()
+            master._all("finish", {}, 30)
+        finally:
+            worker.wait(timeout=30) if worker.poll() is None else None
+            if worker.poll() is None:
+                worker.kill()
+            endpoint.close()
+            monitor.close()
+    o, r = statistics.median(ours), statistics.median(raw)
+    print(json.dumps({"empty_mfc_dispatch_us": round(o * 1e6, 1), "raw_zmq_round_trip_us": round(r * 1e6, 1),
+                      "ratio": round(o / r, 2), "goal": "<= 2.0", "samples_per_mfc": N_SAMPLES,
+                      "rounds": args.rounds, "n_per_round": args.n}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

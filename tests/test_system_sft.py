@@ -30,11 +30,11 @@ def read_stats(run_dir):
 
 @pytest.mark.timeout(400)
 def test_sft_through_launcher_lowers_loss_and_saves_loadable_checkpoint(tmp_path):
-    res = run_sft(tmp_path, "max_train_steps=60", "optimizer.lr=3e-3")
+    res = run_sft(tmp_path, "max_train_steps=150", "total_train_epochs=2", "optimizer.lr=3e-3")
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = tmp_path / "sft" / "trial0"
     steps = [r for r in read_stats(run_dir) if "sft_train/loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, 61))
+    assert [r["step"] for r in steps] == list(range(1, 151))
     first = sum(r["sft_train/loss"] for r in steps[:5]) / 5
     last = sum(r["sft_train/loss"] for r in steps[-5:]) / 5
     assert last < 0.6 * first, (first, last)
@@ -49,16 +49,22 @@ def test_sft_through_launcher_lowers_loss_and_saves_loadable_checkpoint(tmp_path
     # TensorBoard event files exist next to the jsonl
     assert any(f.startswith("events.out.tfevents") for _, _, fs in os.walk(run_dir) for f in fs)
 
-    # the saved checkpoint loads in transformers and gives the logits the run's model had
+    # the saved checkpoint loads in transformers and answers the held-out set exactly as the run reported
+    from mfc.math_reward import verify_answer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    reported = [r["eval/accuracy"] for r in read_stats(run_dir) if "eval/accuracy" in r][-1]
     ckpt = run_dir / "checkpoints" / "default" / "final"
-    model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(ckpt)
-    ids = tok(["12+34="], return_tensors="pt").input_ids
-    out = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    assert out.shape[1] > ids.shape[1]
+    rows = [json.loads(line) for line in open(tmp_path / "data" / "arith-d3-s0" / "test.jsonl")]
+    correct = 0.0
+    for row in rows:
+        ids = tok([row["prompt"]], return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id)
+        correct += verify_answer(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), row["answer"]).reward
+    assert correct / len(rows) == pytest.approx(reported, abs=1.5 / len(rows))  # one argmax tie may flip
 
 
 @pytest.mark.timeout(300)

@@ -21,7 +21,7 @@ class TinyArchConfig:
     num_attention_heads: int = field(default=4, metadata={"help": "query heads"})
     num_key_value_heads: int = field(default=2, metadata={"help": "key/value heads (GQA)"})
     intermediate_size: int = field(default=352, metadata={"help": "SwiGLU inner size"})
-    max_position_embeddings: int = field(default=256, metadata={"help": "longest sequence"})
+    max_position_embeddings: int = field(default=128, metadata={"help": "longest sequence"})
     rope_theta: float = field(default=10000.0, metadata={"help": "rotary base"})
     tie_word_embeddings: bool = field(default=True, metadata={"help": "share input/output embeddings"})
 

@@ -39,7 +39,7 @@ class SFTDataConfig:
     test_path: str = field(default="", metadata={"help": "held-out jsonl with prompt + answer"})
     n_train: int = field(default=50_000, metadata={"help": "generated training problems"})
     n_test: int = field(default=200, metadata={"help": "generated held-out problems"})
-    difficulty: int = field(default=3, metadata={"help": "max operand digits of generated problems"})
+    difficulty: int = field(default=2, metadata={"help": "max operand digits of generated problems"})
     data_seed: int = field(default=0, metadata={"help": "seed of the generated data"})
     max_prompt_len: int = field(default=64, metadata={"help": "drop rows with longer prompts (tokens)"})
     max_seq_len: int = field(default=128, metadata={"help": "drop rows with longer prompt+response"})
@@ -53,15 +53,15 @@ class SFTConfig(BaseExperimentConfig):
     model: SFTModelConfig = field(default_factory=SFTModelConfig)
     dataset: SFTDataConfig = field(default_factory=SFTDataConfig)
     optimizer: OptimizerConfig = field(
-        default_factory=lambda: OptimizerConfig(lr=3e-3, weight_decay=0.01, warmup_steps_proportion=0.05)
+        default_factory=lambda: OptimizerConfig(lr=2e-3, weight_decay=0.01, warmup_steps_proportion=0.1)
     )
-    batch_size: int = field(default=64, metadata={"help": "samples per optimizer step (global)"})
+    batch_size: int = field(default=128, metadata={"help": "samples per optimizer step (global)"})
     max_tokens_per_mb: int = field(default=4096, metadata={"help": "micro-batch token budget per worker"})
-    total_train_epochs: int = field(default=4, metadata={"help": "passes over the training data"})
-    max_train_steps: Optional[int] = field(default=3000, metadata={"help": "stop after this many steps"})
+    total_train_epochs: int = field(default=2, metadata={"help": "passes over the training data"})
+    max_train_steps: Optional[int] = field(default=500, metadata={"help": "stop after this many steps"})
     save_freq_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     eval_freq_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0 = before and after)"})
-    eval_max_new_tokens: int = field(default=12, metadata={"help": "greedy tokens per held-out prompt"})
+    eval_max_new_tokens: int = field(default=16, metadata={"help": "greedy tokens per held-out prompt"})
 
     # ---- derived paths: pure functions of the config ------------------------------------------
     def _data_dir(self) -> str:

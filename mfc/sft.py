@@ -53,7 +53,7 @@ class SFTInterface(ModelInterface):
         correct = 0.0
         for out, answer in zip(outputs, batch.metadata["answer"]):
             text = tok.decode(out, skip_special_tokens=True)
-            correct += verify_answer(text, answer).reward
+            correct += verify_answer(text, answer, allow_last_number=False).reward
         n_correct, n_total = model.module.dp_sum([correct, float(len(prompts))])
         return {"accuracy": n_correct / max(n_total, 1.0), "n_eval": n_total}
 

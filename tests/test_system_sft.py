@@ -15,7 +15,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["dataset.n_train=3000", "dataset.n_test=64", "model.arch.hidden_size=64", "model.arch.num_hidden_layers=2",
-         "model.arch.intermediate_size=128", "batch_size=32"]
+         "model.arch.intermediate_size=128", "batch_size=32", "max_train_steps=150"]
 
 
 def run_sft(fileroot, *overrides, timeout=300):
@@ -57,13 +57,14 @@ def test_sft_through_launcher_lowers_loss_and_saves_loadable_checkpoint(tmp_path
     ckpt = run_dir / "checkpoints" / "default" / "final"
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(ckpt)
-    rows = [json.loads(line) for line in open(tmp_path / "data" / "arith-d3-s0" / "test.jsonl")]
+    rows = [json.loads(line) for line in open(tmp_path / "data" / "arith-d2-s0" / "test.jsonl")]
     correct = 0.0
     for row in rows:
         ids = tok([row["prompt"]], return_tensors="pt").input_ids
-        out = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id,
+        out = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_id,
                              pad_token_id=tok.pad_token_id)
-        correct += verify_answer(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), row["answer"]).reward
+        correct += verify_answer(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), row["answer"],
+                                 allow_last_number=False).reward
     assert correct / len(rows) == pytest.approx(reported, abs=1.5 / len(rows))  # one argmax tie may flip
 
 

@@ -7,13 +7,15 @@ difficulty is one knob (operand length), and a mixture of operand lengths
 makes a tiny model get the easy problems right and the long ones only
 sometimes, which leaves room for RL after SFT.
 
-Rows have the shape real math sets use (GSM8K style)::
+Rows have the shape real math sets use (GSM8K style), plus two fields for
+per-category accuracy (``op``, ``digits``)::
 
-    {"id": "test-00017", "prompt": "347+285=", "answer": "632",
-     "solution": "#### 632"}
+    {"id": "test-000017", "prompt": "347+285=", "answer": "632",
+     "solution": "236 #### 632", "op": "+", "digits": 3}
 
 ``solution`` is the SFT target; it always ends with ``#### <answer>`` so the
 same answer extraction works for data sets, SFT outputs and RL samples.
+``experiments/tasks/feasibility.py`` measures how fast a tiny model learns it.
 """
 from __future__ import annotations
 
@@ -51,13 +53,14 @@ class Problem:
 STYLES = ("direct", "reverse")
 
 
-def solution_text(answer: str, style: str = "direct") -> str:
+def solution_text(answer: str, style: str = "reverse") -> str:
     """SFT target, short because every token costs CPU.
 
+    ``reverse`` (default): first the answer's digits least-significant first -- the
+    order in which carries are computed, so each digit depends only on digits
+    already written -- then the final line: ``236 #### 632``. A tiny model learns
+    this many times faster than the bare answer.
     ``direct``: only the GSM8K-style final line, ``#### 632``.
-    ``reverse``: first the answer's digits least-significant first -- the order in
-    which carries are computed, so each digit depends only on digits already
-    written -- then the final line: ``236 #### 632``.
     """
     if style == "direct":
         return f"#### {answer}"
@@ -89,8 +92,12 @@ def sample_problem(rng: random.Random, difficulty: int, ops: str = OPS) -> Probl
 
 
 def _problem_space(difficulty: int, ops: str) -> int:
-    n = 10**difficulty
-    return sum(n * 10 if op == "*" else n * n for op in ops)
+    """How many distinct prompts ``sample_problem`` can produce."""
+    total = 0
+    for n in range(1, difficulty + 1):
+        k = 10 if n == 1 else 9 * 10 ** (n - 1)  # numbers with n digits
+        total += sum({"+": k * k, "-": k * (k + 1) // 2, "*": k * 10}[op] for op in set(ops))
+    return total
 
 
 def _draw_rows(rng: random.Random, n: int, prefix: str, difficulty: int, ops: str, style: str,
@@ -108,7 +115,7 @@ def _draw_rows(rng: random.Random, n: int, prefix: str, difficulty: int, ops: st
             if misses > 100 * n + 10_000:
                 raise ValueError(
                     f"arithmetic: cannot draw {n} {prefix} problems at difficulty={difficulty} "
-                    f"ops={ops!r} (about {_problem_space(difficulty, ops)} exist); "
+                    f"ops={ops!r} ({_problem_space(difficulty, ops)} distinct problems exist); "
                     "lower n_test or raise difficulty")
             continue
         if unique:
@@ -120,7 +127,7 @@ def _draw_rows(rng: random.Random, n: int, prefix: str, difficulty: int, ops: st
 
 
 def generate_splits(n_train: int, n_test: int, seed: int, difficulty: int,
-                    ops: str = OPS, style: str = "direct") -> tuple[list[dict], list[dict]]:
+                    ops: str = OPS, style: str = "reverse") -> tuple[list[dict], list[dict]]:
     """Train and held-out test rows, disjoint by prompt, fully determined by the arguments.
 
     Test prompts are distinct and drawn first, so growing ``n_train`` never
@@ -128,6 +135,8 @@ def generate_splits(n_train: int, n_test: int, seed: int, difficulty: int,
     """
     if difficulty < 1:
         raise ValueError(f"arithmetic: difficulty must be >= 1, got {difficulty}")
+    if n_train < 1 or n_test < 1:
+        raise ValueError(f"arithmetic: n_train and n_test must be >= 1, got {n_train}, {n_test}")
     if not ops or set(ops) - set(OPS):
         raise ValueError(f"arithmetic: ops must be a non-empty subset of {OPS!r}, got {ops!r}")
     solution_text("0", style)  # rejects an unknown style before any work
@@ -159,7 +168,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def ensure_dataset(out_dir: str | os.PathLike, n_train: int, n_test: int, seed: int,
-                   difficulty: int, ops: str = OPS, style: str = "direct") -> ArithmeticDataset:
+                   difficulty: int, ops: str = OPS, style: str = "reverse") -> ArithmeticDataset:
     """Write ``train.jsonl`` / ``test.jsonl`` under ``out_dir`` unless the recorded
     manifest says identical files are already there (same parameters, same hashes).
 

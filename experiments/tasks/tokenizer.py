@@ -22,28 +22,25 @@ from typing import Iterable, Iterator, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-TOKENIZER_VERSION = 1
+from realflow.api.dataset import read_jsonl
+
+TOKENIZER_VERSION = 2
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]  # ids 0..3, in this order
 # Text fields read from jsonl corpora, in the order they are looked for.
 TEXT_FIELDS = ("prompt", "solution", "response", "completion")
+MANIFEST = "realflow_tokenizer_manifest.json"
 
 
 def _corpus_lines(paths: Sequence[str | os.PathLike]) -> Iterator[str]:
     """Texts to learn merges from: chosen fields of jsonl rows, or raw lines."""
     for path in paths:
-        is_jsonl = str(path).endswith(".jsonl")
+        if str(path).endswith(".jsonl"):
+            for _, row in read_jsonl(path):  # a bad line raises "path:line: reason"
+                yield from (row[k] for k in TEXT_FIELDS if isinstance(row.get(k), str))
+            continue
         with open(path) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                if not is_jsonl:
-                    yield line.rstrip("\n")
-                    continue
-                row = json.loads(line)
-                for key in TEXT_FIELDS:
-                    if isinstance(row.get(key), str):
-                        yield row[key]
+            yield from (line.rstrip("\n") for line in f if line.strip())
 
 
 def build_tokenizer(texts: Iterable[str], vocab_size: int = 160) -> Tokenizer:
@@ -81,10 +78,24 @@ def _save_hf(tok: Tokenizer, out_dir: Path) -> None:
                                  pad_token=PAD, unk_token=UNK, model_max_length=4096,
                                  padding_side="left", clean_up_tokenization_spaces=False)
     hf.save_pretrained(str(out_dir))
+    # transformers 5 records its new class name; the classic one loads in 4.x and 5.x
+    # alike (serving stacks often pin 4.x), so write that instead.
+    cfg_p = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_p.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_p.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
 def _fingerprint(paths: Sequence[str | os.PathLike]) -> list[str]:
     return [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths]
+
+
+def _is_current(out: Path, params: dict) -> bool:
+    try:
+        man = json.loads((out / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return man == params and (out / "tokenizer.json").exists()
 
 
 def ensure_tokenizer(out_dir: str | os.PathLike, corpus_paths: Sequence[str | os.PathLike],
@@ -92,28 +103,32 @@ def ensure_tokenizer(out_dir: str | os.PathLike, corpus_paths: Sequence[str | os
     """Train and save the tokenizer under ``out_dir`` unless its manifest shows it
     was already made from the same corpus bytes and settings. Returns ``out_dir``.
 
-    The directory is built aside and renamed into place, so concurrent callers
-    never see a half-written tokenizer.
+    The directory is built aside and renamed into place, so a reader never sees
+    a half-written tokenizer. Training is deterministic, so when several workers
+    race, whichever copy lands is the same; still, call it once before starting
+    workers where you can.
     """
     out = Path(out_dir)
     params = {"version": TOKENIZER_VERSION, "vocab_size": vocab_size,
               "corpus_sha256": _fingerprint(corpus_paths)}
-    man_p = out / "realflow_tokenizer_manifest.json"
-    if man_p.exists() and (out / "tokenizer.json").exists():
-        try:
-            if json.loads(man_p.read_text()) == params:
-                return str(out)
-        except json.JSONDecodeError:
-            pass
+    if _is_current(out, params):
+        return str(out)
     tok = build_tokenizer(_corpus_lines(corpus_paths), vocab_size=vocab_size)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     _save_hf(tok, tmp)
-    (tmp / man_p.name).write_text(json.dumps(params, indent=1))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    (tmp / MANIFEST).write_text(json.dumps(params, indent=1))
+    try:
+        if _is_current(out, params):  # another process finished first
+            return str(out)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    except OSError:
+        if not _is_current(out, params):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
 
 

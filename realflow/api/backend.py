@@ -33,8 +33,4 @@ model_backends: Registry = Registry("model backend")
 def register_backend(name: str):
     """Class decorator: ``@register_backend("megatron") class MegatronBackend: ...``."""
 
-    def deco(cls):
-        model_backends.register(name, cls)
-        return cls
-
-    return deco
+    return model_backends.register(name)

@@ -150,8 +150,4 @@ experiment_registry: Registry = Registry("experiment")
 def register_experiment(name: str):
     """Class decorator registering an experiment config under ``name``."""
 
-    def deco(cls):
-        experiment_registry.register(name, cls)
-        return cls
-
-    return deco
+    return experiment_registry.register(name)

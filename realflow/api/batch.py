@@ -224,6 +224,19 @@ class SequenceBatch:
     # ---- construction -------------------------------------------------------------------------
 
     @classmethod
+    def _trusted(cls, ids: list[str], seqlens: dict[str, list[list[int]]], data: dict[str, torch.Tensor | None],
+                 metadata: dict[str, list]) -> "SequenceBatch":
+        """Build WITHOUT validation: only for batches derived from already-valid ones.
+
+        Validation costs tens of microseconds per batch and the dispatch path derives
+        several batches per MFC call (select, gather, unpack); data entering from users
+        or the wire still goes through ``__init__`` (see :meth:`from_wire`).
+        """
+        b = object.__new__(cls)
+        b.ids, b.seqlens, b.data, b.metadata = ids, seqlens, data, metadata
+        return b
+
+    @classmethod
     def from_samples(
         cls,
         ids: Sequence[str],
@@ -314,22 +327,23 @@ class SequenceBatch:
 
     def meta(self) -> "SequenceBatch":
         """A copy without tensors (ids, seqlens, metadata): what the master keeps."""
-        return SequenceBatch(self.ids, self.seqlens, {k: None for k in self.data}, self.metadata)
+        return SequenceBatch._trusted(list(self.ids), dict(self.seqlens), {k: None for k in self.data},
+                                      dict(self.metadata))
 
     def select_keys(self, keys: Iterable[str]) -> "SequenceBatch":
         """A batch with only ``keys`` (tensor or metadata); an unknown key is an error."""
         keys = list(keys)
         for k in keys:
-            if k not in self.keys:
+            if k not in self.seqlens and k not in self.metadata:
                 raise BatchError(
                     f"batch has no key {k!r}" + did_you_mean(k, self.keys)
                     + f" (keys: {sorted(self.keys)})"
                 )
-        return SequenceBatch(
-            self.ids,
+        return SequenceBatch._trusted(
+            list(self.ids),
             {k: self.seqlens[k] for k in keys if k in self.seqlens},
             {k: self.data[k] for k in keys if k in self.data},
-            {k: self.metadata[k] for k in keys if k in self.metadata},
+            {k: list(self.metadata[k]) for k in keys if k in self.metadata},
         )
 
     def select_ids(self, ids: Sequence[str]) -> "SequenceBatch":
@@ -358,7 +372,7 @@ class SequenceBatch:
                 data[key] = t[:0]
             else:
                 data[key] = _gather_rows(t, [starts[p] for p in idx], [per[p] for p in idx])
-        return SequenceBatch(
+        return SequenceBatch._trusted(
             [self.ids[p] for p in idx],
             {k: [v[p] for p in idx] for k, v in self.seqlens.items()},
             data,
@@ -375,7 +389,7 @@ class SequenceBatch:
         if dup:
             raise BatchError(f"remap_keys: key(s) {dup} would appear twice after renaming with {mapping}")
         ren = lambda d: {mapping.get(k, k): v for k, v in d.items()}  # noqa: E731
-        return SequenceBatch(self.ids, ren(self.seqlens), ren(self.data), ren(self.metadata))
+        return SequenceBatch._trusted(list(self.ids), ren(self.seqlens), ren(self.data), ren(self.metadata))
 
     def update_(self, other: "SequenceBatch") -> "SequenceBatch":
         """Merge ``other``'s keys into this batch in place (same ids; order may differ).
@@ -395,8 +409,7 @@ class SequenceBatch:
         seqlens.update(other.seqlens)
         data.update(other.data)
         metadata.update(other.metadata)
-        merged = SequenceBatch(self.ids, seqlens, data, metadata)
-        self.seqlens, self.data, self.metadata = merged.seqlens, merged.data, merged.metadata
+        self.seqlens, self.data, self.metadata = seqlens, data, metadata
         return self
 
     # ---- splitting and joining ----------------------------------------------------------------
@@ -411,7 +424,7 @@ class SequenceBatch:
                 n = sum(self.seqlens[k][p])
                 data[k] = None if t is None else t.narrow(0, offsets[k], n)
                 offsets[k] += n
-            out.append(SequenceBatch(
+            out.append(SequenceBatch._trusted(
                 [sid],
                 {k: [v[p]] for k, v in self.seqlens.items()},
                 data,
@@ -451,7 +464,7 @@ class SequenceBatch:
                         f"and {t.dtype}{list(t.shape[1:])}@{t.device}"
                     )
             data[k] = ts[0] if len(ts) == 1 else torch.cat(ts, 0)
-        return cls(
+        return cls._trusted(
             [i for b in batches for i in b.ids],
             {k: [lens for b in batches for lens in b.seqlens[k]] for k in first.seqlens},
             data,

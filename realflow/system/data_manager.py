@@ -4,9 +4,17 @@ A model worker keeps every sample key it loaded or produced until the master say
 the step no longer needs it. Tensors never pass through the master: when another
 worker needs some keys, this worker *stages* them into shared memory and the master
 forwards only the small handle (see ``realflow.comm.shm``).
+
+Storage is by *chunk*: each batch that arrives (a fetched shard, an MFC's output, a
+received transfer) is kept whole, and an index maps ``(sample id, key)`` to its chunk
+and row. The common read — the next MFC on this worker asks for exactly the samples of
+one chunk, in the same order — is then a key selection with no tensor work at all;
+reads that mix chunks fall back to per-sample gathering. A chunk is released when
+none of its entries is referenced any more (dropped or overwritten).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterable
 
 from realflow.api.batch import SequenceBatch
@@ -16,49 +24,96 @@ from realflow.comm import shm
 class DataManager:
     def __init__(self, worker_name: str, shm_prefix: str = shm.DEFAULT_PREFIX):
         self.worker_name = worker_name
-        self._samples: dict[str, SequenceBatch] = {}
+        self._chunks: dict[int, SequenceBatch] = {}
+        self._live: dict[int, int] = {}  # chunk id -> number of index entries pointing at it
+        self._index: dict[str, dict[str, int]] = {}  # sample id -> key -> chunk id
+        self._next_chunk = itertools.count()
         # pre-faulted segments: writing fresh tmpfs pages costs ~3x a memcpy
         self._pool = shm.ShmPool(shm_prefix)
 
     def __len__(self) -> int:
-        return len(self._samples)
+        return len(self._index)
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self._chunks)
 
     def has(self, sample_id: str, key: str) -> bool:
-        s = self._samples.get(sample_id)
-        return s is not None and key in s.seqlens
+        return key in self._index.get(sample_id, ())
 
     def put(self, batch: SequenceBatch) -> None:
-        """Store every sample of ``batch``, merging keys with what is already held."""
-        for sample in batch.unpack():
-            sid = sample.ids[0]
-            held = self._samples.get(sid)
-            if held is None:
-                self._samples[sid] = sample
-            else:
-                held.update_(sample)
+        """Store every sample of ``batch``; its keys replace the same keys held before."""
+        cid = next(self._next_chunk)
+        keys = list(batch.seqlens) + list(batch.metadata)
+        self._chunks[cid] = batch
+        self._live[cid] = len(batch.ids) * len(keys)
+        for sid in batch.ids:
+            entry = self._index.setdefault(sid, {})
+            for k in keys:
+                old = entry.get(k)
+                entry[k] = cid
+                if old is not None:
+                    self._unref(old)
+        if self._live[cid] == 0:
+            self._unref(cid, 0)
 
     def get(self, ids: Iterable[str], keys: Iterable[str]) -> SequenceBatch:
         """The samples ``ids`` restricted to ``keys``, packed in the given order."""
-        keys = list(keys)
-        parts = []
+        ids, keys = list(ids), list(keys)
+        chunk_of = []
         for sid in ids:
-            sample = self._samples.get(sid)
-            if sample is None:
+            entry = self._index.get(sid)
+            if entry is None:
                 raise KeyError(f"worker {self.worker_name} holds no sample '{sid}'")
-            missing = [k for k in keys if k not in sample.seqlens]
+            missing = [k for k in keys if k not in entry]
             if missing:
                 raise KeyError(
                     f"worker {self.worker_name} holds sample '{sid}' without keys {missing} "
-                    f"(has {sorted(sample.seqlens)})"
+                    f"(has {sorted(entry)})"
                 )
+            chunk_of.append([entry[k] for k in keys])
+        cids = {c for per in chunk_of for c in per}
+        if len(cids) == 1:
+            cid = cids.pop()
+            chunk = self._chunks[cid]
+            if chunk.ids == ids:  # fast path: a whole stored batch, in order
+                return chunk.select_keys(keys)
+            return chunk.select_ids(ids).select_keys(keys)
+        if ids and all(per == chunk_of[0] for per in chunk_of):
+            # every sample spreads its keys over the same chunks: merge key groups
+            merged = None
+            for cid in dict.fromkeys(chunk_of[0]):
+                part_keys = [k for k, c in zip(keys, chunk_of[0]) if c == cid]
+                chunk = self._chunks[cid]
+                part = chunk if chunk.ids == ids else chunk.select_ids(ids)
+                part = part.select_keys(part_keys)
+                merged = part if merged is None else merged.update_(part)
+            return merged.select_keys(keys)
+        parts = []
+        for sid, per in zip(ids, chunk_of):
+            sample = None
+            for cid in dict.fromkeys(per):
+                part_keys = [k for k, c in zip(keys, per) if c == cid]
+                piece = self._chunks[cid].select_ids([sid]).select_keys(part_keys)
+                sample = piece if sample is None else sample.update_(piece)
             parts.append(sample.select_keys(keys))
         return SequenceBatch.gather(parts)
 
     def drop(self, ids: Iterable[str]) -> int:
         n = 0
         for sid in ids:
-            n += self._samples.pop(sid, None) is not None
+            entry = self._index.pop(sid, None)
+            if entry is None:
+                continue
+            n += 1
+            for cid in entry.values():
+                self._unref(cid)
         return n
+
+    def _unref(self, cid: int, n: int = 1) -> None:
+        self._live[cid] -= n
+        if self._live[cid] <= 0:
+            del self._live[cid], self._chunks[cid]
 
     # ---- data plane -------------------------------------------------------------
     def stage(self, ids: list[str], keys: list[str]) -> dict[str, Any]:

@@ -198,10 +198,7 @@ class Master:
         for rid, reply in replies.items():
             mfc, w = run_reqs[rid]
             if reply.get("outputs") is not None:
-                out = SequenceBatch.from_wire(reply["outputs"])
-                for sid in out.ids:
-                    for key in out.seqlens:
-                        self.holders[(sid, key)].add(w)
+                self._record_outputs(mfc, w, reply["outputs"])
             if reply.get("stats"):
                 per_mfc[mfc.name].append(reply["stats"])
         for mfc in mfcs:
@@ -215,6 +212,24 @@ class Master:
                             f"(e.g. {missing[0]})"
                         )
         return results
+
+    def _record_outputs(self, mfc: MFCDef, worker: int, wire: Any) -> None:
+        """Note that ``worker`` now holds the output keys it reported (metadata of its reply).
+
+        Only ids and key names are needed here, so the reply is checked for shape rather
+        than rebuilt into a SequenceBatch (this runs once per MFC per dp head, per step).
+        """
+        try:
+            ids, keys = wire["ids"], [*wire["seqlens"], *wire["metadata"]]
+            if not all(isinstance(i, str) for i in ids):
+                raise TypeError("non-str sample id")
+        except (KeyError, TypeError) as e:
+            raise MasterError(f"MFC '{mfc.name}': worker {self.workers[worker]} returned malformed "
+                              f"output metadata ({e!r})") from None
+        holders = self.holders
+        for sid in ids:
+            for key in keys:
+                holders[(sid, key)].add(worker)
 
     def _missing(self, ids: list[str], keys, dest: int) -> dict[tuple[int, tuple[str, ...]], list[str]]:
         """Group the (sample, key) pairs ``dest`` lacks by the worker that will send them."""

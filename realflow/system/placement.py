@@ -26,10 +26,13 @@ def assign_to_dp_ranks(batch: SequenceBatch, layout, holders, slack: float = 0.1
     are enough. Within a rank the batch order is kept.
     """
     dp = layout.strategy.dp
-    tokens = sample_tokens(batch)
     n = len(batch.ids)
     if n < dp:
         raise ValueError(f"batch of {n} samples cannot be split over {dp} data-parallel ranks")
+    if dp == 1:
+        return {0: list(batch.ids)}
+    tokens = sample_tokens(batch)
+    first_key = _first_key(batch)
     target_tokens = sum(tokens) / dp * (1 + slack)
     target_count = -(-n // dp)
     holder_rank = {w: layout.coords(w)[0] for w in layout.workers}
@@ -38,7 +41,7 @@ def assign_to_dp_ranks(batch: SequenceBatch, layout, holders, slack: float = 0.1
     chosen: dict[int, int] = {}
     for idx in sorted(range(n), key=lambda i: (-tokens[i], i)):
         sid = batch.ids[idx]
-        held = {holder_rank[w] for w in holders.get((sid, _first_key(batch)), ()) if w in holder_rank}
+        held = {holder_rank[w] for w in holders.get((sid, first_key), ()) if w in holder_rank}
         best = None
         for r in sorted(held):
             if load[r] + tokens[idx] <= target_tokens and count[r] < target_count:

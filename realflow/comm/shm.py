@@ -46,6 +46,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from realflow.base.procfs import pid_alive
 from realflow.comm.codec import dtype_from_name, dtype_name, tensor_bytes
 
 __all__ = ["put_tensors", "take_tensors", "release", "cleanup_segments", "list_segments", "segment_prefix",
@@ -256,16 +257,6 @@ def list_segments(prefix: str = DEFAULT_PREFIX) -> list[str]:
         return []
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_segments(prefix: str, *, only_dead_producers: bool = False) -> list[str]:
     """Remove leftover segments named ``prefix...`` (crash cleanup); returns the removed names.
 
@@ -275,7 +266,7 @@ def cleanup_segments(prefix: str, *, only_dead_producers: bool = False) -> list[
     for name in list_segments(prefix):
         if only_dead_producers:
             pid_text = name[len(prefix):].split("_", 1)[0]
-            if pid_text.isdigit() and _pid_alive(int(pid_text)):
+            if pid_text.isdigit() and pid_alive(int(pid_text)):
                 continue
         if _unlink_quiet(name):
             removed.append(name)

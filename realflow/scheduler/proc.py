@@ -10,36 +10,14 @@ import os
 import signal
 from typing import Callable, Iterable
 
+from realflow.base.procfs import pid_alive, proc_stat as _stat  # noqa: F401 (re-exported)
+
 PR_SET_PDEATHSIG = 1
 
 # Resolved in the parent: the preexec function runs between fork and exec, where
 # loading a library (taking locks another thread may hold) is unsafe.
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl
-
-
-def _stat(pid: int) -> tuple[str, int, int, int, int] | None:
-    """(state, ppid, pgid, sid, starttime) of ``pid`` from /proc/<pid>/stat, or None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # The command name (field 2) may contain spaces and ')': split after the last ')'.
-    fields = data[data.rindex(b")") + 2:].split()
-    return fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19])
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` runs; a zombie (dead, not yet reaped) counts as dead."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    st = _stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
 
 
 def _all_stats() -> dict[int, tuple[str, int, int, int, int]]:

@@ -9,6 +9,11 @@ Order of work, cheapest first: extract (``\\boxed{}``, then GSM8K ``####``,
 then optionally the last number), compare normalized strings, compare as exact
 rational numbers, and only then ask ``math-verify`` (sympy) for symbolic
 equivalence (``\\frac{1}{2}`` vs ``0.5``). Plain integer tasks never reach sympy.
+If math-verify is missing or fails on an input, a plain sympy check (LaTeX parsed
+by ``latex2sympy2_extended``, never ``eval``) is the fallback.
+
+Also here: format checks (is a ``#### answer`` / ``\\boxed{}`` present) and the
+exact-format reward of our arithmetic task (``236 #### 632``).
 """
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ from fractions import Fraction
 
 from realflow.api.dataset import extract_final_answer
 
-__all__ = ["MathRewardResult", "extract_answer", "verify_answer", "math_reward"]
+__all__ = ["MathRewardResult", "extract_answer", "verify_answer", "math_reward", "has_answer_format",
+           "arithmetic_reward"]
 
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?|[-+]?\.\d+")
 _MAX_ANSWER_CHARS = 300  # longer "answers" are garbage; sympy on them could be slow
+_MAX_SYMPY_CHARS = 120   # the sympy fallback has no timeout off the main thread: keep inputs small
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,8 @@ def _as_number(s: str) -> Fraction | None:
     return None
 
 
-def _math_verify_equal(gold: str, pred: str) -> bool:
+def _math_verify_equal(gold: str, pred: str) -> bool | None:
+    """True/False from math-verify; None when it cannot parse one side (sympy may still)."""
     from math_verify import parse, verify
 
     # math-verify's timeouts use SIGALRM, which only the main thread may set.
@@ -76,13 +84,29 @@ def _math_verify_equal(gold: str, pred: str) -> bool:
     g = parse(f"${gold}$", parsing_timeout=5 if main else None)
     p = parse(f"${pred}$", parsing_timeout=5 if main else None)
     if not g or not p:
-        return False
+        return None
     return bool(verify(g, p, timeout_seconds=5 if main else None))
 
 
+def _sympy_equal(gold: str, pred: str) -> bool:
+    """Symbolic equality via sympy: both sides parsed from LaTeX (no ``eval`` of model text),
+    equal when ``simplify(g - p) == 0``; sets/relations compare structurally."""
+    import sympy
+    from latex2sympy2_extended import latex2sympy
+
+    g, p = latex2sympy(gold), latex2sympy(pred)
+    if isinstance(g, sympy.Expr) and isinstance(p, sympy.Expr):
+        return bool(sympy.simplify(g - p) == 0)
+    return bool(g == p)
+
+
 def verify_answer(response: str, answer: str, allow_last_number: bool = True,
-                  use_math_verify: bool = True) -> MathRewardResult:
-    """Score ``response`` against the reference ``answer``; never raises."""
+                  use_math_verify: bool = True, symbolic: bool = True) -> MathRewardResult:
+    """Score ``response`` against the reference ``answer``; never raises.
+
+    ``symbolic=False`` stops after the exact and numeric comparisons (cheap; enough for
+    integer tasks). ``use_math_verify=False`` goes straight to the sympy fallback.
+    """
     try:
         if not isinstance(response, str):
             return MathRewardResult(0.0, f"response is {type(response).__name__}, not text", None, "none")
@@ -103,12 +127,24 @@ def verify_answer(response: str, answer: str, allow_last_number: bool = True,
         if gn is not None and pn is not None:
             ok = gn == pn
             return MathRewardResult(float(ok), "correct (numeric)" if ok else "wrong", pred, method)
+        if not symbolic:
+            return MathRewardResult(0.0, "wrong", pred, method)
+        mv_error = ""
         if use_math_verify:
             try:
-                if _math_verify_equal(g, p):
-                    return MathRewardResult(1.0, "correct (math_verify)", pred, method)
-            except Exception as e:  # sympy can fail in many ways on junk input
-                return MathRewardResult(0.0, f"math_verify error: {type(e).__name__}", pred, method)
+                ok = _math_verify_equal(g, p)
+            except Exception as e:  # math-verify missing, or failing on junk input: try sympy
+                ok, mv_error = None, f"math_verify error: {type(e).__name__}"
+            if ok is not None:
+                return MathRewardResult(float(ok), "correct (math_verify)" if ok else "wrong", pred, method)
+        if len(p) > _MAX_SYMPY_CHARS:
+            return MathRewardResult(0.0, "wrong (too long for a sympy check)", pred, method)
+        try:
+            if _sympy_equal(g, p):
+                return MathRewardResult(1.0, "correct (sympy)", pred, method)
+        except Exception as e:  # sympy can fail in many ways on junk input
+            why = f"sympy error: {type(e).__name__}"
+            return MathRewardResult(0.0, f"{mv_error}; {why}" if mv_error else why, pred, method)
         return MathRewardResult(0.0, "wrong", pred, method)
     except Exception as e:  # last line of defence: a reward must never crash a worker
         return MathRewardResult(0.0, f"reward error: {type(e).__name__}: {e}"[:200], None, "none")
@@ -117,3 +153,54 @@ def verify_answer(response: str, answer: str, allow_last_number: bool = True,
 def math_reward(response: str, answer: str) -> float:
     """1.0 if ``response`` states ``answer`` (see :func:`verify_answer`), else 0.0."""
     return verify_answer(response, answer).reward
+
+
+_FORMATS = ("any", "gsm8k", "boxed")
+
+
+def has_answer_format(text: str, style: str = "any") -> bool:
+    """Whether ``text`` states a final answer in the expected form: ``gsm8k`` (a non-empty
+    ``#### answer``), ``boxed`` (a balanced, non-empty ``\\boxed{...}``) or ``any`` of them."""
+    if style not in _FORMATS:
+        raise ValueError(f"unknown answer format {style!r} (known: {', '.join(_FORMATS)})")
+    if not isinstance(text, str):
+        return False
+    _, method = extract_final_answer(text)
+    if style == "any":
+        return method != "none"
+    if style == "boxed":
+        return method == "boxed"
+    pos = text.rfind("####")
+    return pos >= 0 and bool(text[pos + 4:].strip().split("\n", 1)[0].strip())
+
+
+_ARITH_LINE = re.compile(r"\s*(\d+)(-?)\s+####\s+(-?\d+)\s*")
+
+
+def arithmetic_reward(response: str, answer: str, strict_format: bool = False) -> MathRewardResult:
+    """Our arithmetic task (``experiments/tasks/arithmetic.py``): the integer after the last
+    ``####`` must equal ``answer`` exactly (no last-number fallback, no symbolic match).
+
+    ``strict_format`` also requires the whole response to be the SFT target's shape,
+    ``<answer digits reversed>[-] #### <answer>``, with the reversed digits consistent.
+    Never raises.
+    """
+    if not isinstance(response, str) or not isinstance(answer, str):
+        return MathRewardResult(0.0, "response and answer must be text", None, "none")
+    gold = answer.strip()
+    if strict_format:
+        m = _ARITH_LINE.fullmatch(response) if len(response) <= 2 * _MAX_ANSWER_CHARS else None
+        if not m:
+            return MathRewardResult(0.0, "not in '<reversed> #### <answer>' format", None, "none")
+        digits, sign, pred = m.groups()
+        if pred != f"{sign}{digits[::-1]}":
+            return MathRewardResult(0.0, "reversed digits disagree with the answer", pred, "####")
+    else:
+        pos = response.rfind("####")
+        if pos < 0:
+            return MathRewardResult(0.0, "no answer found", None, "none")
+        pred = response[pos + 4:].strip().split("\n", 1)[0].strip()
+        if len(pred) > _MAX_ANSWER_CHARS or not re.fullmatch(r"-?\d+", pred):
+            return MathRewardResult(0.0, "answer is not an integer", pred[:40] or None, "####")
+    ok = re.fullmatch(r"-?\d+", gold) is not None and int(pred) == int(gold)
+    return MathRewardResult(float(ok), "correct (exact)" if ok else "wrong", pred, "####")

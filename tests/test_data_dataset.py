@@ -1,13 +1,16 @@
 """Data set formats, bad rows (file:line: reason), length filters, sharding and shuffling."""
 import json
+import logging
 
 import pytest
 from transformers import AutoTokenizer
 
 from experiments.tasks.arithmetic import ensure_dataset
 from experiments.tasks.tokenizer import ensure_tokenizer
-from realflow.api.dataset import (DATASET_FORMATS, DataRowError, PromptAnswerDataset, SFTDataset,
-                                  extract_final_answer, load_rows)
+from realflow.api.data_source import dataset_keys, load_dataset_shard
+from realflow.api.dataset import (DATASET_FORMATS, DataRowError, PromptAnswerDataset, PromptFormat, SFTDataset,
+                                  extract_final_answer, load_rows, load_rows_report)
+from realflow.api.experiment import DatasetSpec
 from realflow.api.registry import RegistryError
 
 
@@ -178,3 +181,156 @@ def test_epoch_shuffle_is_deterministic_and_batches_resume(arith, tok):
     assert [len(b) for b in ds.iter_batches(64, epoch=2, drop_last=True)] == [64] * 15
     resumed = list(ds.iter_batches(64, epoch=2, start=10))
     assert [[s.id for s in b] for b in resumed] == [[s.id for s in b] for b in batches[10:]]
+
+
+# ----------------------------------------------------------------------------- math RL formats
+
+
+def test_gsm8k_format_reads_final_answer_and_keeps_solution(tmp_path):
+    p = _write(tmp_path / "gsm.jsonl", [
+        {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+        {"question": "Big?", "answer": "so 1,234 in total\n#### 1,234", "id": 9},
+    ])
+    rows = load_rows(p, "gsm8k")
+    assert [(r.id, r.prompt[:3], r.answer) for r in rows] == [("gsm-1", "Tom", "7"), ("9", "Big", "1,234")]
+    assert rows[0].meta == {"solution": "3 + 4 = <<3+4=7>>7\n#### 7"}
+
+
+def test_boxed_format_reads_nested_braces_and_prefers_an_answer_field(tmp_path):
+    p = _write(tmp_path / "math.jsonl", [
+        {"problem": "Simplify", "solution": "We get $\\boxed{\\frac{\\sqrt{2}}{2}}$.", "level": "Level 2"},
+        {"problem": "Two boxes", "solution": "first \\boxed{1}, finally \\boxed{\\{1, 2\\}}"},
+        {"problem": "Given", "solution": "long work", "answer": "\\boxed{42}"},
+        {"problem": "Only answer", "answer": 3.5},
+    ])
+    rows = load_rows(p, "boxed")
+    assert [r.answer for r in rows] == ["\\frac{\\sqrt{2}}{2}", "\\{1, 2\\}", "42", "3.5"]
+    assert rows[0].meta == {"level": "Level 2", "solution": rows[0].meta["solution"]}
+    # prompt_answer auto-detects the same rows (plain, GSM8K and boxed) in one file
+    auto = load_rows(p, "prompt_answer")
+    assert [r.answer for r in auto] == ["\\frac{\\sqrt{2}}{2}", "\\{1, 2\\}", "42", "3.5"]
+
+
+@pytest.mark.parametrize("fmt,bad,reason", [
+    ("gsm8k", {"question": "q", "answer": "no hashes here"}, "field 'answer' has no final answer after '#### '"),
+    ("gsm8k", {"question": "q", "answer": "x\n####   "}, "has no final answer"),
+    ("gsm8k", {"answer": "#### 1"}, "missing field 'question'"),
+    ("gsm8k", {"question": "q"}, "missing field 'answer'"),
+    ("boxed", {"problem": "q", "solution": "ends \\boxed{\\frac{1}{2}"}, "no \\boxed{...} answer in field 'solution'"),
+    ("boxed", {"problem": "q", "solution": "no box"}, "no \\boxed{...} answer"),
+    ("boxed", {"problem": "q"}, "missing field 'solution'"),
+    ("boxed", {"problem": "q", "answer": ""}, "field 'answer' must be a non-empty string or number"),
+    ("boxed", {"problem": "", "solution": "\\boxed{1}"}, "field 'problem' is empty"),
+])
+def test_math_format_bad_rows_name_file_and_line(tmp_path, fmt, bad, reason):
+    p = _write(tmp_path / "d.jsonl", [{"question": "ok", "problem": "ok", "answer": "#### 1",
+                                       "solution": "\\boxed{1}"}, bad])
+    with pytest.raises(DataRowError) as e:
+        load_rows(p, fmt)
+    assert str(e.value).startswith(f"{p}:2: ") and reason in str(e.value), str(e.value)
+
+
+def test_skipping_bad_rows_counts_them_with_the_length_filter(tmp_path, tok, caplog):
+    rows = [{"question": f"{i}+{i}=", "answer": f"#### {2 * i}"} for i in range(6)]
+    rows[1] = {"question": "1+1=", "answer": "no final"}          # bad: no ####
+    rows[3] = "{oops"                                               # bad: invalid JSON
+    rows[4] = {"question": "4+4=" * 20, "answer": "#### 8"}         # too long
+    p = _write(tmp_path / "mix.jsonl", rows)
+    with pytest.raises(DataRowError, match=r"mix\.jsonl:2: "):
+        PromptAnswerDataset.load(p, tok, max_prompt_len=16, fmt="gsm8k")
+    with caplog.at_level(logging.WARNING, logger="realflow.api.dataset"):
+        ds = PromptAnswerDataset.load(p, tok, max_prompt_len=16, fmt="gsm8k", skip_bad_rows=True)
+    assert ds.ids == ["mix-1", "mix-3", "mix-6"]
+    assert (ds.report.total, ds.report.kept) == (6, 3)
+    assert ds.report.dropped == {"bad_row": 2, "prompt_too_long": 1}
+    assert "kept 3/6 rows (dropped 3: bad_row: 2, prompt_too_long: 1)" == str(ds.report)
+    logged = [r.getMessage() for r in caplog.records]
+    assert any(f"{p}:2: field 'answer' has no final answer" in m for m in logged)
+    assert any(f"{p}:4: invalid JSON" in m for m in logged)
+    with pytest.raises(DataRowError, match=r"no valid rows \(2 bad rows; first: .*:1: "):
+        load_rows_report(_write(tmp_path / "allbad.jsonl", ["[1]", "{x"]), "gsm8k")
+
+
+def _chat_tok(tok_dir):
+    t = AutoTokenizer.from_pretrained(tok_dir)
+    t.chat_template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+                       "{% if add_generation_prompt %}[assistant]{% endif %}")
+    return t
+
+
+def test_chat_template_and_prompt_template(tmp_path, tok, arith):
+    ct = _chat_tok(tok.name_or_path)
+    rows = load_rows(arith.test, "prompt_answer")[:5]
+    plain = PromptAnswerDataset.from_rows(rows, ct, max_prompt_len=512)
+    assert plain[0].prompt_ids == tok(rows[0].prompt)["input_ids"]  # default: no template
+    fmt = PromptFormat(chat_template=True, system_prompt="sys", prompt_template="Q: {prompt}")
+    ds = PromptAnswerDataset.from_rows(rows, ct, max_prompt_len=512, prompt_format=fmt)
+    text = f"<s>[system]sys[user]Q: {rows[0].prompt}[assistant]"
+    assert ds[0].prompt_ids == tok(text, add_special_tokens=False)["input_ids"]
+    assert ds[0].prompt_ids.count(tok.bos_token_id) == 1  # the template owns BOS; not added twice
+    sft = SFTDataset.from_rows(load_rows(arith.train, "sft")[:3], ct, 512, prompt_format=fmt)
+    assert sft[0].input_ids[:sft[0].prompt_len] == tok(
+        f"<s>[system]sys[user]Q: {load_rows(arith.train, 'sft')[0].prompt}[assistant]",
+        add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="has no chat template"):
+        PromptAnswerDataset.from_rows(rows, tok, 512, prompt_format=PromptFormat(chat_template=True))
+    with pytest.raises(ValueError, match="must contain '\\{prompt\\}'"):
+        PromptFormat(prompt_template="no slot")
+    with pytest.raises(ValueError, match="not a valid template"):
+        PromptFormat(prompt_template="{prompt} {other}")
+    with pytest.raises(ValueError, match="system_prompt needs chat_template=True"):
+        PromptFormat(system_prompt="x")
+
+
+# ----------------------------------------------------------------------------- data source
+
+
+def test_data_source_keys_and_shards_for_math_formats(tmp_path, tok, caplog):
+    p = _write(tmp_path / "g.jsonl", [{"question": f"{i}+1=", "answer": f"work\n#### {i + 1}"} for i in range(7)]
+               + ["{bad"])
+    for fmt in ("gsm8k", "prompt_answer"):
+        assert dataset_keys(DatasetSpec(fmt, str(p))) == ("packed_prompts",)
+    assert dataset_keys(DatasetSpec("boxed", str(p))) == ("packed_prompts",)
+    assert dataset_keys(DatasetSpec("sft", str(p))) == ("packed_input_ids", "prompt_mask")
+    spec = DatasetSpec("gsm8k", str(p), {"max_prompt_len": 64, "skip_bad_rows": True})
+    with caplog.at_level(logging.INFO, logger="realflow.api.data_source"):
+        shards = [load_dataset_shard(spec, tok, r, 2) for r in range(2)]
+    assert sorted(b.ids[0] for s in shards for b in s) == [f"g-{i}" for i in range(1, 8)]
+    b = shards[0][0]
+    assert b.data["packed_prompts"].tolist() == tok("0+1=")["input_ids"] and b.metadata["answer"] == ["1"]
+    assert any("kept 7/8 rows (dropped 1: bad_row: 1)" in r.getMessage() for r in caplog.records)
+    ct = _chat_tok(tok.name_or_path)
+    chat_spec = DatasetSpec("gsm8k", str(p), {"chat_template": True, "skip_bad_rows": True})
+    chat = load_dataset_shard(chat_spec, ct, 0, 1)
+    expect = tok("<s>[user]0+1=[assistant]", add_special_tokens=False)["input_ids"]
+    assert chat[0].data["packed_prompts"].tolist() == expect
+    with pytest.raises(ValueError, match=r"unknown args \['max_promt_len'\]; did you mean 'max_prompt_len'"):
+        load_dataset_shard(DatasetSpec("gsm8k", str(p), {"max_promt_len": 3}), tok, 0, 1)
+    with pytest.raises(ValueError, match="no rows left after filtering"):
+        load_dataset_shard(DatasetSpec("gsm8k", str(p), {"max_prompt_len": 1, "skip_bad_rows": True}), tok, 0, 1)
+    with pytest.raises(ValueError, match="format 'gsm8' has no sample keys.*did you mean 'gsm8k'"):
+        dataset_keys(DatasetSpec("gsm8", str(p)))
+
+
+def test_user_format_keys_come_from_the_parser_annotation(tmp_path):
+    from realflow.api.dataset import PromptAnswerRow, SFTRow
+
+    def parse_qa(raw) -> PromptAnswerRow:
+        return PromptAnswerRow(id="", prompt=raw["q"], answer=str(raw["a"]))
+
+    def parse_pair(raw) -> SFTRow:
+        return SFTRow(id="", prompt=raw["q"], response=raw["r"])
+
+    def parse_untyped(raw):
+        return parse_qa(raw)
+
+    for name, fn in [("test_qa2", parse_qa), ("test_pair", parse_pair), ("test_untyped", parse_untyped)]:
+        DATASET_FORMATS.register(name, fn)
+    try:
+        assert dataset_keys(DatasetSpec("test_qa2", "x")) == ("packed_prompts",)
+        assert dataset_keys(DatasetSpec("test_pair", "x")) == ("packed_input_ids", "prompt_mask")
+        with pytest.raises(ValueError, match="must be annotated"):
+            dataset_keys(DatasetSpec("test_untyped", "x"))
+    finally:
+        for name in ("test_qa2", "test_pair", "test_untyped"):
+            DATASET_FORMATS.unregister(name)

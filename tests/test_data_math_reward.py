@@ -1,9 +1,11 @@
 """Math reward: answer extraction and verification; malformed output scores 0 and never raises."""
+import logging
 import threading
 
 import pytest
 
-from mfc.math_reward import extract_answer, math_reward, verify_answer
+from mfc.math_reward import arithmetic_reward, extract_answer, has_answer_format, math_reward, verify_answer
+from mfc.reward import REWARD_FUNCTIONS, RewardConfig, RewardInput, compute_rewards, register_reward
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -79,3 +81,121 @@ def test_symbolic_check_works_off_the_main_thread():
     t.start()
     t.join(30)
     assert out and out[0].reward == 1.0, out
+
+
+# ----------------------------------------------------------------------------- sympy fallback, formats
+
+
+def test_sympy_fallback_when_math_verify_is_off_or_fails(monkeypatch):
+    r = verify_answer("\\boxed{\\frac{1}{2}x}", "x/2", use_math_verify=False)
+    assert (r.reward, r.reason) == (1.0, "correct (sympy)")
+    assert verify_answer("\\boxed{x+2}", "x+1", use_math_verify=False).reason == "wrong"
+
+    import mfc.math_reward as mr
+
+    def broken(gold, pred):
+        raise ImportError("math_verify unavailable")
+
+    monkeypatch.setattr(mr, "_math_verify_equal", broken)
+    r = verify_answer("\\boxed{\\sqrt{4}}", "2")
+    assert (r.reward, r.reason) == (1.0, "correct (sympy)")
+    # with no symbolic check at all, only exact / numeric comparisons count
+    assert verify_answer("\\boxed{\\sqrt{4}}", "2", symbolic=False).reward == 0.0
+
+
+@pytest.mark.parametrize("text,style,ok", [
+    ("work #### 42", "gsm8k", True),
+    ("work #### 42", "boxed", False),
+    ("work #### 42", "any", True),
+    ("so \\boxed{\\frac{1}{2}}", "boxed", True),
+    ("so \\boxed{\\frac{1}{2}}", "gsm8k", False),
+    ("so \\boxed{", "any", False),
+    ("#### ", "gsm8k", False),
+    ("just 42", "any", False),
+    (None, "any", False),
+])
+def test_has_answer_format(text, style, ok):
+    assert has_answer_format(text, style) is ok
+
+
+def test_has_answer_format_rejects_unknown_style():
+    with pytest.raises(ValueError, match="unknown answer format 'latex'"):
+        has_answer_format("x", "latex")
+
+
+@pytest.mark.parametrize("response,answer,strict,reward,reason", [
+    ("236 #### 632", "632", True, 1.0, "correct (exact)"),
+    ("63- #### -36", "-36", True, 1.0, "correct (exact)"),
+    ("237 #### 632", "632", True, 0.0, "reversed digits disagree"),
+    ("636 #### 636", "632", True, 0.0, "wrong"),
+    ("the answer #### 632", "632", True, 0.0, "format"),
+    ("the answer #### 632", "632", False, 1.0, "correct (exact)"),
+    ("#### 0632", "632", False, 1.0, "correct (exact)"),
+    ("it is 632", "632", False, 0.0, "no answer found"),
+    ("#### 632.0", "632", False, 0.0, "not an integer"),
+    ("#### " + "9" * 5000, "632", False, 0.0, "not an integer"),
+    (None, "632", False, 0.0, "must be text"),
+])
+def test_arithmetic_reward_exact_format(response, answer, strict, reward, reason):
+    r = arithmetic_reward(response, answer, strict_format=strict)
+    assert r.reward == reward and reason in r.reason
+
+
+def test_arithmetic_reward_accepts_the_task_own_solutions():
+    from experiments.tasks.arithmetic import generate_splits
+
+    train, _ = generate_splits(200, 10, seed=3, difficulty=4)
+    for row in train:
+        assert arithmetic_reward(row["solution"], row["answer"], strict_format=True).reward == 1.0, row
+
+
+# ----------------------------------------------------------------------------- registry and isolation
+
+
+def _samples():
+    return [RewardInput("a", "236 #### 632", "632"), RewardInput("b", "\\boxed{\\frac{1}{2}}", "0.5"),
+            RewardInput("c", "no idea", "3"), RewardInput("d", "#### 7", None)]
+
+
+def test_builtin_rewards_by_name():
+    res = compute_rewards(_samples(), RewardConfig("math"))
+    assert res.rewards == [1.0, 1.0, 0.0, 0.0] and res.errors == {} and not any(res.skipped)
+    assert compute_rewards(_samples(), RewardConfig("arithmetic")).rewards == [1.0, 0.0, 0.0, 0.0]
+    assert compute_rewards(_samples(), RewardConfig("format")).rewards == [1.0, 1.0, 0.0, 1.0]
+    assert compute_rewards(_samples(), RewardConfig("format", {"style": "boxed"})).rewards == [0, 1, 0, 0]
+    r = compute_rewards(_samples(), RewardConfig("math_with_format", {"format_bonus": 0.5})).rewards
+    assert r == [1.5, 1.5, 0.0, 0.5]
+    with pytest.raises(KeyError, match="unknown reward function 'mth'.*did you mean 'math'"):
+        RewardConfig("mth")
+
+
+def test_failing_user_reward_is_isolated_and_reported_once(caplog):
+    calls = []
+
+    @register_reward("test_flaky")
+    def flaky(sample, bonus=0.0):
+        calls.append(sample.id)
+        if sample.id == "b":
+            raise RuntimeError("boom on b")
+        if sample.id == "c":
+            return float("nan")
+        if sample.id == "d":
+            return "1"
+        return 1.0 + bonus
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="mfc.reward"):
+            res = compute_rewards(_samples(), RewardConfig("test_flaky", {"bonus": 0.5}, fallback_reward=-1.0))
+            assert res.rewards == [1.5, -1.0, -1.0, -1.0] and res.skipped == [False] * 4
+            assert set(res.errors) == {"b", "c", "d"} and res.n_errors == 3
+            assert "RuntimeError: boom on b" in res.errors["b"]
+            assert "non-finite" in res.errors["c"] and "not a number" in res.errors["d"]
+            again = compute_rewards(_samples(), RewardConfig("test_flaky", on_error="skip"))
+        assert again.skipped == [False, True, True, True]
+        warned = [r.getMessage() for r in caplog.records if "test_flaky" in r.getMessage()]
+        assert len(warned) == 3 and any("'b'" in w and "boom on b" in w for w in warned)
+        assert calls == ["a", "b", "c", "d"] * 2
+    finally:
+        REWARD_FUNCTIONS.unregister("test_flaky")
+    with pytest.raises(ValueError, match="on_error must be 'fallback' or 'skip'"):
+        RewardConfig("math", on_error="ignore")

@@ -6,6 +6,12 @@ shape error deep inside a worker. Every row is therefore parsed by a named
 *format* (a registry, so users add their own with ``@DATASET_FORMATS.register``)
 into a small typed record before any tokenizer or model sees it.
 
+Built-in formats: ``sft`` (prompt + response), ``prompt_answer`` (prompt + final
+answer; auto-detects plain, GSM8K ``#### 42`` and ``\\boxed{42}`` rows), and the
+strict ``gsm8k`` (``question``/``answer``) and ``boxed`` (``problem``/``solution``).
+A loader either raises on the first bad row or, with ``skip_bad_rows``, logs each
+one and counts it in the :class:`FilterReport` next to the length filters.
+
 Sharding and shuffling are pure functions of (seed, epoch, rank, world): all
 data-parallel workers agree on who owns which sample without talking, and a
 resumed run sees the same order as one that never stopped.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import random
 import re
@@ -22,8 +29,11 @@ from typing import Any, Callable, Iterator, Protocol, Sequence, TypeVar
 
 from realflow.api.registry import Registry
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DataRowError", "PromptAnswerRow", "SFTRow", "DATASET_FORMATS", "read_jsonl", "load_rows",
+    "load_rows_report", "PromptFormat", "render_prompts",
     "extract_boxed", "extract_final_answer", "FilterReport", "PromptSample", "SFTSample",
     "PromptAnswerDataset", "SFTDataset",
 ]
@@ -162,8 +172,51 @@ def parse_sft(raw: dict) -> SFTRow:
                   meta=_meta(raw, {"id", pkey, rkey, "answer"}))
 
 
-def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
-    """(line number, JSON object) for each non-blank line; bad lines raise DataRowError."""
+def _final_after_hashes(text: str, key: str) -> str:
+    pos = text.rfind("#### ")
+    ans = text[pos + 5:].strip().split("\n", 1)[0].strip() if pos >= 0 else ""
+    if not ans:
+        raise RowInvalid(f"field {key!r} has no final answer after '#### '")
+    return ans
+
+
+@DATASET_FORMATS.register("gsm8k")
+def parse_gsm8k(raw: dict) -> PromptAnswerRow:
+    """GSM8K: ``question`` and ``answer`` = worked solution ending in ``#### <final>``.
+    The final answer is the reference; the worked solution is kept as ``meta['solution']``."""
+    prompt, pkey = _text(raw, ("question",) + tuple(k for k in _PROMPT_KEYS if k != "question"))
+    sol, skey = _text(raw, ("answer",))
+    answer = _final_after_hashes(sol, skey)
+    meta = _meta(raw, {"id", pkey, skey})
+    meta["solution"] = sol
+    return PromptAnswerRow(id="", prompt=prompt, answer=answer, meta=meta)
+
+
+@DATASET_FORMATS.register("boxed")
+def parse_boxed(raw: dict) -> PromptAnswerRow:
+    """MATH-style: ``problem`` and a ``solution`` whose last ``\\boxed{...}`` (nested braces
+    allowed) is the reference; an explicit ``answer`` field, when present, wins."""
+    prompt, pkey = _text(raw, ("problem",) + tuple(k for k in _PROMPT_KEYS if k != "problem"))
+    sol, skey = _text(raw, ("solution",), required="answer" not in raw)
+    used = {"id", pkey, skey, "answer"}
+    if "answer" in raw:
+        ans = raw["answer"]
+        if isinstance(ans, bool) or not isinstance(ans, (str, int, float)) or not str(ans).strip():
+            raise RowInvalid(f"field 'answer' must be a non-empty string or number, got {ans!r:.40}")
+        answer = extract_boxed(str(ans)) or str(ans).strip()
+    else:
+        answer = extract_boxed(sol or "")
+        if not answer:
+            raise RowInvalid(f"no \\boxed{{...}} answer in field {skey!r} (unbalanced or missing braces?)")
+    meta = _meta(raw, used)
+    if sol is not None:
+        meta["solution"] = sol
+    return PromptAnswerRow(id="", prompt=prompt, answer=answer, meta=meta)
+
+
+def read_jsonl(path: str | os.PathLike, bad: list | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, JSON object) for each non-blank line. A bad line raises DataRowError,
+    or, when a ``bad`` list is given, is appended to it and skipped."""
     if not os.path.isfile(path):
         raise DataRowError(path, 0, "no such data file")
     with open(path, encoding="utf-8") as f:
@@ -172,40 +225,63 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
                 continue
             try:
                 obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise DataRowError(path, lineno, f"row must be a JSON object, got {type(obj).__name__}")
             except json.JSONDecodeError as e:
-                raise DataRowError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataRowError(path, lineno, f"row must be a JSON object, got {type(obj).__name__}")
-            yield lineno, obj
+                err = DataRowError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})")
+            except DataRowError as e:
+                err = e
+            else:
+                yield lineno, obj
+                continue
+            if bad is None:
+                raise err
+            bad.append(err)
 
 
 def load_rows(path: str | os.PathLike, fmt: str = "prompt_answer") -> list:
-    """Parse every row of a jsonl file with format ``fmt``.
+    """Parse every row of a jsonl file with format ``fmt``; the first bad row raises.
 
     Ids come from an ``id`` field (string or integer) or default to
     ``<file stem>-<line>``; duplicates are an error at the second occurrence.
     """
+    rows, _ = load_rows_report(path, fmt, skip_bad_rows=False)
+    return rows
+
+
+def load_rows_report(path: str | os.PathLike, fmt: str = "prompt_answer",
+                     skip_bad_rows: bool = True) -> tuple[list, list[DataRowError]]:
+    """Like :func:`load_rows`, but with ``skip_bad_rows`` a bad row (bad JSON, a field
+    missing, a duplicate id, ...) is returned as a :class:`DataRowError` (``path:line:
+    reason``) instead of raised. A missing file, or a file without one good row, raises."""
     parser = DATASET_FORMATS.get(fmt)
     stem = os.path.splitext(os.path.basename(path))[0]
-    rows, seen = [], {}
-    for lineno, raw in read_jsonl(path):
-        rid = raw.get("id", f"{stem}-{lineno}")
-        if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
-            raise DataRowError(path, lineno, f"field 'id' must be a non-empty string or integer, got {rid!r}")
-        rid = str(rid)
-        if rid in seen:
-            raise DataRowError(path, lineno, f"duplicate id {rid!r} (first at line {seen[rid]})")
-        seen[rid] = lineno
+    rows, seen, bad = [], {}, []
+    for lineno, raw in read_jsonl(path, bad if skip_bad_rows else None):
         try:
-            row = parser(raw)
-        except KeyError as e:  # a user parser indexing raw[...] directly
-            raise DataRowError(path, lineno, f"missing field {e.args[0]!r}" if e.args else "KeyError") from None
-        except (ValueError, TypeError) as e:
-            raise DataRowError(path, lineno, str(e) or type(e).__name__) from None
+            rid = raw.get("id", f"{stem}-{lineno}")
+            if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+                raise DataRowError(path, lineno, f"field 'id' must be a non-empty string or integer, got {rid!r}")
+            rid = str(rid)
+            if rid in seen:
+                raise DataRowError(path, lineno, f"duplicate id {rid!r} (first at line {seen[rid]})")
+            try:
+                row = parser(raw)
+            except KeyError as e:  # a user parser indexing raw[...] directly
+                raise DataRowError(path, lineno, f"missing field {e.args[0]!r}" if e.args else "KeyError") from None
+            except (ValueError, TypeError) as e:
+                raise DataRowError(path, lineno, str(e) or type(e).__name__) from None
+        except DataRowError as e:
+            if not skip_bad_rows:
+                raise
+            bad.append(e)
+            continue
+        seen[rid] = lineno
         rows.append(dataclasses.replace(row, id=rid))
     if not rows:
-        raise DataRowError(path, 0, "data file has no rows")
-    return rows
+        why = f" ({len(bad)} bad rows; first: {bad[0]})" if bad else ""
+        raise DataRowError(path, 0, ("data file has no valid rows" if bad else "data file has no rows") + why)
+    return rows, bad
 
 
 # ----------------------------------------------------------------------------- tokenized sets
@@ -310,19 +386,72 @@ def _encode(tokenizer: Tokenizer, texts: list[str], special: bool) -> list[list[
     return [list(x) for x in tokenizer(texts, add_special_tokens=special)["input_ids"]]
 
 
+@dataclass
+class PromptFormat:
+    """How a row's prompt text becomes the model's prompt.
+
+    ``prompt_template``: a ``str.format`` template with ``{prompt}`` (e.g. an instruction
+    to end with ``#### <answer>``), applied first. ``chat_template``: wrap the prompt as
+    a user message (after ``system_prompt`` if given) with the tokenizer's own chat
+    template and the generation prompt; the template then owns special tokens such as
+    BOS, so the tokenizer does not add them again.
+    """
+
+    chat_template: bool = False
+    system_prompt: str | None = None
+    prompt_template: str | None = None
+
+    def __post_init__(self) -> None:
+        t = self.prompt_template
+        if t is not None:
+            try:
+                t.format(prompt="")
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValueError(f"prompt_template {t!r} is not a valid template with only "
+                                 f"{{prompt}}: {type(e).__name__}: {e}") from None
+            if "{prompt}" not in t:
+                raise ValueError(f"prompt_template {t!r} must contain '{{prompt}}'")
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError("system_prompt needs chat_template=True")
+
+
+def render_prompts(tokenizer: Any, prompts: Sequence[str], fmt: PromptFormat | None = None) -> list[list[int]]:
+    """Token ids of each prompt under ``fmt`` (see :class:`PromptFormat`)."""
+    fmt = fmt or PromptFormat()
+    texts = [fmt.prompt_template.format(prompt=p) for p in prompts] if fmt.prompt_template else list(prompts)
+    if not fmt.chat_template:
+        return _encode(tokenizer, texts, special=True)
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ValueError(f"chat_template=True but tokenizer {name!r} has no chat template "
+                         "(set chat_template=False, or use a tokenizer that ships one)")
+    system = [{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []
+    rendered = [tokenizer.apply_chat_template(system + [{"role": "user", "content": t}],
+                                              tokenize=False, add_generation_prompt=True) for t in texts]
+    return _encode(tokenizer, rendered, special=False)
+
+
+def _count(report: FilterReport, reason: str) -> None:
+    report.dropped[reason] = report.dropped.get(reason, 0) + 1
+
+
 class PromptAnswerDataset(_ShardedDataset[PromptSample]):
     """RL prompts with reference answers, tokenized; prompts longer than
-    ``max_prompt_len`` tokens are dropped and counted in ``report``."""
+    ``max_prompt_len`` tokens are dropped and counted in ``report`` (as are the
+    ``n_bad_rows`` rows the loader skipped, under ``bad_row``)."""
 
     @classmethod
     def from_rows(cls, rows: Sequence[PromptAnswerRow], tokenizer: Tokenizer,
-                  max_prompt_len: int, seed: int = 0) -> "PromptAnswerDataset":
-        ids = _encode(tokenizer, [r.prompt for r in rows], special=True)
-        report = FilterReport(total=len(rows), kept=0)
+                  max_prompt_len: int, seed: int = 0, prompt_format: PromptFormat | None = None,
+                  n_bad_rows: int = 0) -> "PromptAnswerDataset":
+        ids = render_prompts(tokenizer, [r.prompt for r in rows], prompt_format)
+        report = FilterReport(total=len(rows) + n_bad_rows, kept=0)
+        if n_bad_rows:
+            report.dropped["bad_row"] = n_bad_rows
         samples = []
         for r, p in zip(rows, ids):
             if len(p) > max_prompt_len:
-                report.dropped["prompt_too_long"] = report.dropped.get("prompt_too_long", 0) + 1
+                _count(report, "prompt_too_long")
                 continue
             samples.append(PromptSample(r.id, p, r.answer, r.meta))
         report.kept = len(samples)
@@ -330,24 +459,33 @@ class PromptAnswerDataset(_ShardedDataset[PromptSample]):
 
     @classmethod
     def load(cls, path: str | os.PathLike, tokenizer: Tokenizer, max_prompt_len: int,
-             fmt: str = "prompt_answer", seed: int = 0) -> "PromptAnswerDataset":
-        return cls.from_rows(load_rows(path, fmt), tokenizer, max_prompt_len, seed)
+             fmt: str = "prompt_answer", seed: int = 0, prompt_format: PromptFormat | None = None,
+             skip_bad_rows: bool = False) -> "PromptAnswerDataset":
+        """Read, validate and tokenize ``path``; with ``skip_bad_rows`` bad rows are logged
+        (``path:line: reason``) and counted instead of raised."""
+        rows, bad = load_rows_report(path, fmt, skip_bad_rows)
+        _log_bad_rows(bad)
+        return cls.from_rows(rows, tokenizer, max_prompt_len, seed, prompt_format, len(bad))
 
 
 class SFTDataset(_ShardedDataset[SFTSample]):
-    """SFT pairs, tokenized as prompt (with the tokenizer's special tokens, e.g. BOS)
-    followed by response + EOS. Rows whose prompt exceeds ``max_prompt_len`` or whose
-    whole sequence exceeds ``max_seq_len`` are dropped and counted in ``report``."""
+    """SFT pairs, tokenized as prompt (with the tokenizer's special tokens, e.g. BOS, or
+    under a :class:`PromptFormat`) followed by response + EOS. Rows whose prompt exceeds
+    ``max_prompt_len`` or whose whole sequence exceeds ``max_seq_len`` are dropped and
+    counted in ``report``."""
 
     @classmethod
     def from_rows(cls, rows: Sequence[SFTRow], tokenizer: Tokenizer, max_prompt_len: int,
-                  max_seq_len: int | None = None, seed: int = 0) -> "SFTDataset":
+                  max_seq_len: int | None = None, seed: int = 0,
+                  prompt_format: PromptFormat | None = None, n_bad_rows: int = 0) -> "SFTDataset":
         eos = tokenizer.eos_token_id
         if eos is None:
             raise ValueError("SFTDataset: the tokenizer has no eos_token_id")
-        prompts = _encode(tokenizer, [r.prompt for r in rows], special=True)
+        prompts = render_prompts(tokenizer, [r.prompt for r in rows], prompt_format)
         responses = _encode(tokenizer, [r.response for r in rows], special=False)
-        report = FilterReport(total=len(rows), kept=0)
+        report = FilterReport(total=len(rows) + n_bad_rows, kept=0)
+        if n_bad_rows:
+            report.dropped["bad_row"] = n_bad_rows
         samples = []
         for r, p, a in zip(rows, prompts, responses):
             if not a or a[-1] != eos:
@@ -356,7 +494,7 @@ class SFTDataset(_ShardedDataset[SFTSample]):
                       "sequence_too_long" if max_seq_len is not None and len(p) + len(a) > max_seq_len
                       else None)
             if reason:
-                report.dropped[reason] = report.dropped.get(reason, 0) + 1
+                _count(report, reason)
                 continue
             samples.append(SFTSample(r.id, p + a, [1] * len(p) + [0] * len(a), r.answer, r.meta))
         report.kept = len(samples)
@@ -364,5 +502,19 @@ class SFTDataset(_ShardedDataset[SFTSample]):
 
     @classmethod
     def load(cls, path: str | os.PathLike, tokenizer: Tokenizer, max_prompt_len: int,
-             max_seq_len: int | None = None, fmt: str = "sft", seed: int = 0) -> "SFTDataset":
-        return cls.from_rows(load_rows(path, fmt), tokenizer, max_prompt_len, max_seq_len, seed)
+             max_seq_len: int | None = None, fmt: str = "sft", seed: int = 0,
+             prompt_format: PromptFormat | None = None, skip_bad_rows: bool = False) -> "SFTDataset":
+        rows, bad = load_rows_report(path, fmt, skip_bad_rows)
+        _log_bad_rows(bad)
+        return cls.from_rows(rows, tokenizer, max_prompt_len, max_seq_len, seed, prompt_format, len(bad))
+
+
+_MAX_LOGGED_BAD_ROWS = 20
+
+
+def _log_bad_rows(bad: list[DataRowError]) -> None:
+    """One warning per skipped row (``path:line: reason``), up to a cap, then a count."""
+    for e in bad[:_MAX_LOGGED_BAD_ROWS]:
+        logger.warning("skipped bad row %s", e)
+    if len(bad) > _MAX_LOGGED_BAD_ROWS:
+        logger.warning("... and %d more bad rows skipped", len(bad) - _MAX_LOGGED_BAD_ROWS)

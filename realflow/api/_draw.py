@@ -3,7 +3,8 @@
 Uses ``Figure`` + the Agg canvas directly instead of pyplot, so drawing never
 touches the process-wide backend or needs a display.  Nodes are laid out one
 column per topological generation; an edge bends (deterministically) when a
-straight arrow would cross another node.
+straight arrow would cross another node. ``draw_plan_figure`` adds a panel with
+the MFC x worker placement grid below the graph (``--dry-run``).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pathlib
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from matplotlib.patches import Patch, Rectangle
 
 _PALETTE = ["#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#1f78b4", "#33a02c", "#e31a1c", "#ff7f00"]
 _BENDS = (0.0, 0.2, -0.2, 0.35, -0.35, 0.5, -0.5)
@@ -38,17 +39,80 @@ def draw_graph(
     roles: dict[str, str],
 ) -> pathlib.Path:
     """``nodes``: (name, generation, row, rows in generation, subtitle). Returns ``path``."""
-    x0 = 1 if dataset_edges else 0
-    n_cols = max((g for _, g, _, _, _ in nodes), default=0) + 1 + x0
-    max_rows = max((n for *_, n, _ in nodes), default=1)
-    pos = {name: ((x0 + g) * 3.0, ((rows - 1) / 2.0 - row) * 1.6) for name, g, row, rows, _ in nodes}
-    group_of = {name: placement.get(name, "(unplaced)") for name, *_ in nodes} if placement else roles
-    groups = list(dict.fromkeys(group_of[name] for name, *_ in nodes))
-    color = {grp: _PALETTE[i % len(_PALETTE)] for i, grp in enumerate(groups)}
-
+    n_cols, max_rows = _graph_extent(nodes, dataset_edges)
     fig = Figure(figsize=(3.0 * n_cols + 0.8, 1.6 * max_rows + 1.8), dpi=100)
     canvas = FigureCanvasAgg(fig)
     ax = fig.add_axes((0.02, 0.02, 0.96, 0.9))
+    _graph_panel(canvas, ax, nodes, edges, dataset_edges, placement, roles)
+    return _save(fig, path)
+
+
+def draw_plan_figure(
+    path: pathlib.Path,
+    nodes: list[tuple[str, int, int, int, str]],
+    edges: list[tuple[str, str, tuple[str, ...]]],
+    dataset_edges: list[tuple[str, str]],
+    placement: dict[str, str],
+    roles: dict[str, str],
+    mfcs: list[str],
+    workers: list[int],
+    cells: dict[tuple[str, int], str],
+    hooks: dict[str, int],
+) -> pathlib.Path:
+    """The graph on top; below it the MFC x worker grid (cell = the worker's dp/tp/pp rank, color = role).
+
+    ``hooks``: MFC -> number of reallocation/offload hooks around it (shown next to its name).
+    """
+    n_cols, max_rows = _graph_extent(nodes, dataset_edges)
+    width = max(3.0 * n_cols + 0.8, 1.0 * len(workers) + 3.0)
+    graph_h, grid_h = 1.6 * max_rows + 1.8, 0.45 * len(mfcs) + 1.4
+    fig = Figure(figsize=(width, graph_h + grid_h), dpi=100)
+    canvas = FigureCanvasAgg(fig)
+    frac = grid_h / (graph_h + grid_h)
+    ax = fig.add_axes((0.02, frac + 0.01, 0.96, (1 - frac) * 0.9))
+    grid_ax = fig.add_axes((0.16, 0.6 / (graph_h + grid_h), 0.8, frac - 1.3 / (graph_h + grid_h)))
+    role_color = _graph_panel(canvas, ax, nodes, edges, dataset_edges, placement, roles, by_role=True)
+    _placement_panel(grid_ax, mfcs, workers, cells, roles, role_color, hooks)
+    return _save(fig, path)
+
+
+def _placement_panel(ax, mfcs, workers, cells, roles, role_color, hooks) -> None:
+    ax.set_xlim(-0.5, len(workers) - 0.5)
+    ax.set_ylim(len(mfcs) - 0.5, -0.5)
+    ax.set_xticks(range(len(workers)), [f"w{w}" for w in workers], fontsize=8)
+    labels = [m + (f"  ({hooks[m]} hook{'s' if hooks[m] > 1 else ''})" if hooks.get(m) else "") for m in mfcs]
+    ax.set_yticks(range(len(mfcs)), labels, fontsize=8)
+    ax.tick_params(length=0)
+    for y, m in enumerate(mfcs):
+        for x, w in enumerate(workers):
+            label = cells.get((m, w))
+            if label is None:
+                continue
+            ax.add_patch(Rectangle((x - 0.48, y - 0.45), 0.96, 0.9, fc=role_color.get(roles[m], "#dddddd"),
+                                   ec="#333333", lw=0.6))
+            ax.text(x, y, label, ha="center", va="center", fontsize=7)
+    ax.set_title("placement: MFC x worker (data / tensor / pipeline rank; color = role)", fontsize=9)
+
+
+def _graph_extent(nodes, dataset_edges) -> tuple[int, int]:
+    x0 = 1 if dataset_edges else 0
+    n_cols = max((g for _, g, _, _, _ in nodes), default=0) + 1 + x0
+    return n_cols, max((n for *_, n, _ in nodes), default=1)
+
+
+def _save(fig: Figure, path: pathlib.Path) -> pathlib.Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(str(path), format="png")
+    return path
+
+
+def _graph_panel(canvas, ax, nodes, edges, dataset_edges, placement, roles, by_role: bool = False) -> dict[str, str]:
+    """Draw the graph on ``ax``; returns the color of each group (role when ``by_role``, else placement)."""
+    x0 = 1 if dataset_edges else 0
+    pos = {name: ((x0 + g) * 3.0, ((rows - 1) / 2.0 - row) * 1.6) for name, g, row, rows, _ in nodes}
+    group_of = roles if by_role or not placement else {name: placement.get(name, "(unplaced)") for name, *_ in nodes}
+    groups = list(dict.fromkeys(group_of[name] for name, *_ in nodes))
+    color = {grp: _PALETTE[i % len(_PALETTE)] for i, grp in enumerate(groups)}
     ax.set_axis_off()
     texts = {}
     for name, _, _, _, sub in nodes:
@@ -70,7 +134,7 @@ def draw_graph(
     ax.set_ylim(min(ys) - 1.2, max(ys) + 1.0)
     if len(groups) > 1 or placement:
         ax.legend(handles=[Patch(fc=color[g], ec="#333333", label=g) for g in groups], loc="lower right",
-                  fontsize=7, title="placement" if placement else "role", title_fontsize=7)
+                  fontsize=7, title="role" if by_role or not placement else "placement", title_fontsize=7)
     ax.set_title(f"data flow graph ({len(nodes)} MFCs)", fontsize=10)
     canvas.draw()  # positions the text boxes, so arrows can be clipped at their borders
 
@@ -92,6 +156,4 @@ def draw_graph(
         lx, ly = to_data.transform(_bezier(p0, _control(p0, p1, rad), p1, 0.5))
         ax.text(lx, ly, ", ".join(keys), ha="center", va="center", fontsize=7, color="#333333", zorder=4,
                 bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none", alpha=0.85))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(str(path), format="png")
-    return path
+    return color

@@ -82,8 +82,8 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
         print(plan.describe())
         os.makedirs(setup.run_dir, exist_ok=True)
         png = os.path.join(setup.run_dir, "plan.png")
-        plan.graph.draw(png, placement={n: p.layout.short() for n, p in plan.placements.items()})
-        print(f"graph with placement drawn to {png}")
+        plan.draw(png)
+        print(f"graph and placement drawn to {png}")
         return 0
     try:
         cfg.prepare()

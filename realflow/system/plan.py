@@ -3,60 +3,36 @@
 The plan is pure data computed identically by the master and every worker from the
 same :class:`ExperimentSetup`, so no process has to ship it to another. It fixes
 which workers run each MFC and in which (dp, tp, pp) layout, each role's *home*
-layout (the layout of its train_step, where its weights and optimizer live), and
-the order in which per-layout process groups are created (a collective that every
+layout (the layout of its train_step, where its weights and optimizer live), the
+hooks around each MFC (parameter reallocation, offload / reload; rules in
+:mod:`realflow.system.plan_hooks`), the data transfers of each graph edge, and the
+order in which per-layout process groups are created (a collective that every
 worker must perform in the same order).
+
+Every MFC layout is also checked against its model by the role's backend (heads
+vs tp, layers vs pp, memory), so a layout that cannot work fails here, naming the
+MFC and the numbers, rather than inside megatron on some worker.
 """
 from __future__ import annotations
 
+import pathlib
 from dataclasses import dataclass, field
+from typing import Any, Optional
 
-from realflow.api.allocation import ParallelStrategy, parse_allocation
+from realflow.api.allocation import parse_allocation
+from realflow.api.backend import model_backends
 from realflow.api.dfg import DataFlowGraph
 from realflow.api.experiment import ExperimentSetup
-from realflow.api.mfc import ModelInterfaceType
+from realflow.api.registry import RegistryError
+from realflow.system.plan_hooks import (
+    attach_hooks, data_transfers, group_order, offloaded_roles, realloc_pairs, role_homes,
+)
+from realflow.system.plan_types import (
+    DataTransfer, Hook, Layout, MFCPlacement, Offload, ParamRealloc, PlanError, ReallocPair, Reload,
+)
 
-
-class PlanError(ValueError):
-    """The graph and allocation cannot be executed as given."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A model layout: a (dp, tp, pp) strategy over an ordered set of workers.
-
-    Worker ``workers[i]`` has tp rank ``i % tp``, dp rank ``(i // tp) % dp`` and
-    pp rank ``i // (tp * dp)`` (megatron's tp-dp-pp order: tp is the fastest axis).
-    """
-
-    workers: tuple[int, ...]
-    strategy: ParallelStrategy
-
-    def coords(self, worker: int) -> tuple[int, int, int]:
-        """(dp, tp, pp) ranks of ``worker`` in this layout."""
-        i = self.workers.index(worker)
-        s = self.strategy
-        return (i // s.tp) % s.dp, i % s.tp, i // (s.tp * s.dp)
-
-    def dp_members(self, dp_rank: int) -> list[int]:
-        """Every worker that belongs to data-parallel rank ``dp_rank``."""
-        return [w for w in self.workers if self.coords(w)[0] == dp_rank]
-
-    def dp_head(self, dp_rank: int) -> int:
-        """The worker that holds the outputs of ``dp_rank``: tp rank 0 of the last stage."""
-        s = self.strategy
-        return self.workers[(s.pp - 1) * s.tp * s.dp + dp_rank * s.tp]
-
-    def short(self) -> str:
-        s = self.strategy
-        return f"d{s.dp}t{s.tp}p{s.pp}@{list(self.workers)}"
-
-
-@dataclass
-class MFCPlacement:
-    mfc: str
-    role: str
-    layout: Layout
+__all__ = ["PlanError", "Layout", "MFCPlacement", "ExecutionPlan", "compile_plan", "build_graph",
+           "ParamRealloc", "Offload", "Reload", "DataTransfer", "ReallocPair"]
 
 
 @dataclass
@@ -66,74 +42,127 @@ class ExecutionPlan:
     placements: dict[str, MFCPlacement]
     role_home: dict[str, Layout]
     group_order: list[tuple[str, Layout]] = field(default_factory=list)
+    pre_hooks: dict[str, tuple[Hook, ...]] = field(default_factory=dict)
+    post_hooks: dict[str, tuple[Hook, ...]] = field(default_factory=dict)
+    transfers: list[DataTransfer] = field(default_factory=list)
+    realloc_pairs: list[ReallocPair] = field(default_factory=list)
+    offloaded: dict[str, list[str]] = field(default_factory=dict)  # role -> roles it shares workers with
+    trained_roles: tuple[str, ...] = ()
+    notes: list[str] = field(default_factory=list)  # what could not be checked (e.g. dry run before prepare)
 
     def workers_of_role(self, role: str) -> tuple[int, ...]:
         return self.role_home[role].workers
 
+    def hooks(self) -> list[tuple[str, str, Hook]]:
+        """``(mfc, "before" | "after", hook)`` in execution order (topological, pre then post)."""
+        out = []
+        for name in self.graph.topological_order():
+            out += [(name, "before", h) for h in self.pre_hooks.get(name, ())]
+            out += [(name, "after", h) for h in self.post_hooks.get(name, ())]
+        return out
+
+    @property
+    def needs_hooks(self) -> bool:
+        """True when running this plan needs parameter reallocation or offload."""
+        return bool(self.hooks())
+
     def describe(self) -> str:
         """Human-readable plan for ``--dry-run``."""
-        lines = [f"ExecutionPlan: {self.n_workers} model workers"]
-        lines.append("  roles (home layout = where weights and optimizer live):")
-        for role, lay in sorted(self.role_home.items()):
-            lines.append(f"    {role:<12} {lay.short()}")
-        lines.append("  MFCs by topological generation:")
-        for gen_i, gen in enumerate(self.graph.topological_generations()):
-            for name in gen:
-                p = self.placements[name]
-                mfc = self.graph.mfc(name)
-                moves = "no reallocation" if p.layout == self.role_home[p.role] else "REALLOCATE"
-                lines.append(
-                    f"    [{gen_i}] {name:<16} {mfc.interface_type.name.lower():<10} role={p.role:<8}"
-                    f" {p.layout.short()} ({moves})"
-                )
-                for key in mfc.input_keys:
-                    src = self.graph.producers(key)
-                    lines.append(f"          <- {key} from {src[0] if src else 'dataset'}")
-        lines.append("  process groups (created in this order on every worker):")
-        for role, lay in self.group_order:
-            lines.append(f"    {role:<12} {lay.short()}")
-        return "\n".join(lines)
+        from realflow.system.plan_view import describe_plan
+
+        return describe_plan(self)
+
+    def draw(self, path_png: str | pathlib.Path) -> pathlib.Path:
+        """PNG with the graph (colored by placement) and the worker x MFC placement grid."""
+        from realflow.system.plan_view import draw_plan
+
+        return draw_plan(self, pathlib.Path(path_png))
 
 
 def compile_plan(setup: ExperimentSetup, graph: DataFlowGraph | None = None) -> ExecutionPlan:
-    """Turn ``setup`` into an :class:`ExecutionPlan`, or raise :class:`PlanError`."""
+    """Turn ``setup`` into an :class:`ExecutionPlan`, or raise :class:`PlanError`.
+
+    Allocation-string errors raise :class:`~realflow.api.allocation.AllocationError`
+    (a ``ValueError`` too) with the grammar.
+    """
     if graph is None:
         graph = build_graph(setup)
-    names = [m.name for m in setup.mfcs]
-    alloc = parse_allocation(setup.allocation, names, setup.n_workers)
-    placements: dict[str, MFCPlacement] = {}
-    for mfc in setup.mfcs:
+    for mfc in graph.mfcs:
         if mfc.model_name not in setup.models:
             raise PlanError(
                 f"MFC '{mfc.name}' runs on model '{mfc.model_name}', which the experiment does not "
                 f"define (models: {sorted(setup.models)})"
             )
-        mesh, strategy = alloc[mfc.name]
-        workers = tuple(mesh.workers)
-        if strategy.dp * strategy.tp * strategy.pp != len(workers):
-            raise PlanError(
-                f"MFC '{mfc.name}': strategy {strategy} needs {strategy.dp * strategy.tp * strategy.pp}"
-                f" workers but its mesh has {len(workers)}"
-            )
-        placements[mfc.name] = MFCPlacement(mfc.name, mfc.model_name, Layout(workers, strategy))
-
-    role_home: dict[str, Layout] = {}
-    for mfc in setup.mfcs:  # a role's home is its train_step layout ...
-        if mfc.interface_type == ModelInterfaceType.TRAIN_STEP:
-            role_home[mfc.model_name] = placements[mfc.name].layout
-    for mfc in setup.mfcs:  # ... or, if never trained, the layout of its first MFC
-        role_home.setdefault(mfc.model_name, placements[mfc.name].layout)
-    for mfc in setup.mfcs:
-        p = placements[mfc.name]
-        if p.layout != role_home[p.role]:
-            raise PlanError(
-                f"MFC '{mfc.name}' runs role '{p.role}' in layout {p.layout.short()} but the role lives in "
-                f"{role_home[p.role].short()}; moving parameters between layouts is not supported yet"
-            )
-    if setup.eval is not None and setup.eval.role not in role_home:
+    alloc = parse_allocation(setup.allocation, graph.mfcs, setup.n_workers)
+    placements = {
+        m.name: MFCPlacement(m.name, m.model_name, Layout(tuple(alloc[m.name].mesh.workers), alloc[m.name].strategy))
+        for m in graph.mfcs
+    }
+    homes = role_homes(graph, placements)
+    if setup.eval is not None and setup.eval.role not in homes:
         raise PlanError(f"evaluation role '{setup.eval.role}' is not used by any MFC")
-    group_order = [(role, role_home[role]) for role in sorted(role_home)]
-    return ExecutionPlan(graph, setup.n_workers, placements, role_home, group_order)
+    notes: list[str] = []
+    backends = {role: _backend(setup, role) for role in graph.roles()}
+    _check_layouts(setup, graph, placements, homes, backends, notes)
+
+    def arch_check(src: str, dst: str) -> Optional[str]:
+        check = getattr(backends[src], "check_same_architecture", None)
+        if check is None:
+            return f"backend '{setup.models[src].backend}' cannot compare architectures; not checked"
+        return check(setup.models[src], setup.models[dst])
+
+    pre, post = attach_hooks(graph, setup, placements, homes, arch_check, notes)
+    return ExecutionPlan(
+        graph=graph,
+        n_workers=setup.n_workers,
+        placements=placements,
+        role_home=homes,
+        group_order=group_order(graph, placements, homes),
+        pre_hooks=pre,
+        post_hooks=post,
+        transfers=data_transfers(graph, placements),
+        realloc_pairs=realloc_pairs(graph, pre, post),
+        offloaded=offloaded_roles(graph, placements, homes),
+        trained_roles=tuple(r for r in graph.roles() if graph.train_mfc(r) is not None),
+        notes=notes,
+    )
+
+
+def _backend(setup: ExperimentSetup, role: str) -> Any:
+    name = setup.models[role].backend
+    try:
+        return model_backends.get(name)()
+    except RegistryError as e:
+        raise PlanError(f"model '{role}': {e}") from None
+
+
+def _check_layouts(setup: ExperimentSetup, graph: DataFlowGraph, placements: dict[str, MFCPlacement],
+                   homes: dict[str, Layout], backends: dict[str, Any], notes: list[str]) -> None:
+    """Ask each role's backend whether every MFC layout of the role can work (once per distinct layout).
+
+    A layout is checked as trained when it is the home of a trained role: that is where
+    the gradients and optimizer states live, whichever MFC runs there.
+    """
+    # all workers of a local run share one host; a multi-host launcher would pass its own count
+    per_host = setup.n_workers
+    done: set[tuple[str, Any, bool]] = set()
+    for name in graph.topological_order():
+        p = placements[name]
+        trained = graph.train_mfc(p.role) is not None and p.layout == homes[p.role]
+        key = (p.role, p.layout.strategy, trained)
+        if key in done:
+            continue
+        done.add(key)
+        check = getattr(backends[p.role], "check_layout", None)
+        if check is None:
+            notes.append(f"backend '{setup.models[p.role].backend}' of role '{p.role}' does not check layouts")
+            continue
+        try:
+            note = check(setup.models[p.role], p.layout.strategy, trained, per_host)
+        except ValueError as e:
+            raise PlanError(f"MFC '{name}' (role '{p.role}', layout {p.layout.short()}): {e}") from None
+        if note and note not in notes:
+            notes.append(note)
 
 
 def build_graph(setup: ExperimentSetup) -> DataFlowGraph:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from realflow.api.dataset import DataRowError, load_rows
+from realflow.api.dataset import DataRowError, load_rows_report
 from realflow.api.experiment import DatasetSpec, ExperimentSetup
 
 
@@ -49,7 +49,8 @@ def check_dataset(spec: DatasetSpec, what: str) -> int:
     if not os.path.isfile(spec.path):
         raise PreflightError(f"{what}: data file {spec.path} does not exist")
     try:
-        return len(load_rows(spec.path, spec.format))
+        rows, _bad = load_rows_report(spec.path, spec.format, skip_bad_rows=bool(spec.args.get("skip_bad_rows", False)))
+        return len(rows)
     except DataRowError as e:
         raise PreflightError(f"{what}: {e}") from None
 

@@ -1,0 +1,416 @@
+"""GenerationEngine: continuous batching over a KV cache, for RL rollouts.
+
+One :meth:`GenerationEngine.step` = prefill of the requests that join (up to a
+token budget and the free slots), then one decode token for every request that
+was already running; finished sequences leave at the end of the step and their
+slots are reused.  Everything RL needs is per sequence: logprobs of the sampled
+tokens (``SamplingParams.logprob_mode``, see :mod:`realflow.api.generation`),
+the weight version of every token, and interruption:
+
+* ``pause("abort")`` / :meth:`abort` finish requests now with what they have;
+* ``pause("retract")``, :meth:`flush_cache` and every weight update put the
+  running requests back at the head of the queue with their output so far; the
+  next step re-prefills prompt + output under the weights then in force and
+  generation goes on, accumulating output, logprobs and versions.
+
+Under tensor parallelism every rank of ``tp_group`` must make the same calls
+in the same order (same requests, same seeds): the steps run in lockstep.
+Not thread-safe: one thread drives an engine (the gen server holds a lock).
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel.generation.decoder import Decoder, KVCache
+from parallel.generation.sampler import SampleBatch, sample
+from parallel.generation.weights import (DecoderWeights, ModelSpec, load_hf_weights,
+                                         mcore_from_hf_tensors)
+from realflow.api.generation import GenerationResult, SamplingParams, validate_input_ids
+
+__all__ = ["EngineConfig", "GenerationEngine"]
+
+
+@dataclass
+class EngineConfig:
+    """Capacity of the engine (the KV cache is allocated once from these)."""
+
+    max_running_requests: int = 64  # KV-cache slots
+    max_seq_len: Optional[int] = None  # prompt + output; default max_position_embeddings
+    max_prefill_tokens: int = 8192  # per step, for joining requests (at least one joins)
+    seed: int = 0  # seeds of requests that bring none
+
+    def validate(self) -> "EngineConfig":
+        if self.max_running_requests < 1:
+            raise ValueError(f"EngineConfig.max_running_requests={self.max_running_requests}: must be >= 1")
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise ValueError(f"EngineConfig.max_seq_len={self.max_seq_len}: must be >= 2")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens}: must be >= 1")
+        return self
+
+
+class _Seq:
+    __slots__ = ("rid", "request_rid", "index", "prompt", "out", "logprobs", "versions", "params",
+                 "rng", "stop_ids", "stop_window")
+
+    def __init__(self, rid: str, request_rid: str, index: int, prompt: list[int],
+                 params: SamplingParams, seed: int, stop_ids: frozenset[int]) -> None:
+        self.rid, self.request_rid, self.index = rid, request_rid, index
+        self.prompt = prompt
+        self.out: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.params = params
+        self.rng = random.Random(seed)
+        self.stop_ids = stop_ids
+        # tokens to decode when looking for a stop string (a token is >= 1 byte, a char <= 4)
+        self.stop_window = 4 * max((len(s) for s in params.stop), default=0) + 8
+
+    def result(self, reason: dict[str, Any]) -> GenerationResult:
+        return GenerationResult(self.rid, self.prompt, self.out, self.logprobs, self.versions,
+                                reason, self.request_rid, self.index)
+
+
+def _tp_info(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+    if tp_group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+class GenerationEngine:
+    """KV-cache generation on one tp rank's megatron-layout weights (see module docstring)."""
+
+    def __init__(self, hf_config: Any, weights: Mapping[str, torch.Tensor],
+                 config: Optional[EngineConfig] = None, *,
+                 tp_group: Optional[dist.ProcessGroup] = None, tokenizer: Any = None,
+                 version: int = 0) -> None:
+        """``weights``: megatron LOCAL param name -> tensor (pp = 1); kept by reference."""
+        self.config = (config or EngineConfig()).validate()
+        self.hf_config = hf_config
+        tp_rank, tp_size = _tp_info(tp_group)
+        self.spec = ModelSpec.from_hf(hf_config, tp_rank, tp_size)
+        self.weights = DecoderWeights(self.spec, weights)
+        ctx = self.spec.arch.max_position_embeddings
+        self._max_context = min(ctx, self.config.max_seq_len or ctx)
+        self.decoder = Decoder(self.weights, self._max_context, tp_group)
+        self.cache = KVCache(self.spec, self.config.max_running_requests, self._max_context,
+                             self.weights.dtype, self.weights.device)
+        self.tokenizer = tokenizer
+        self.version = int(version)
+        self._rng = random.Random(self.config.seed)
+        self._running: list[_Seq] = []  # row i lives in KV slot i
+        self._waiting: deque[_Seq] = deque()
+        self._done: list[GenerationResult] = []
+        slots, dev = self.config.max_running_requests, self.weights.device
+        self._last = torch.zeros(slots, dtype=torch.long, device=dev)  # token to feed next
+        self._pos = torch.zeros(slots, dtype=torch.long, device=dev)  # its position
+        self._ids: set[str] = set()
+        self.tokens_generated = 0
+        self.steps = 0
+        self.busy_seconds = 0.0
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_hf(cls, path: str, config: Optional[EngineConfig] = None, *,
+                tp_group: Optional[dist.ProcessGroup] = None, tokenizer: Any = "auto",
+                dtype: torch.dtype = torch.float32, version: int = 0) -> "GenerationEngine":
+        """Load this tp rank's shard of an HF checkpoint directory (and its tokenizer if any)."""
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(path)
+        tp_rank, tp_size = _tp_info(tp_group)
+        spec = ModelSpec.from_hf(hf_config, tp_rank, tp_size)
+        if tokenizer == "auto":
+            tokenizer = _try_tokenizer(path)
+        return cls(hf_config, load_hf_weights(path, hf_config, spec, dtype), config,
+                   tp_group=tp_group, tokenizer=tokenizer, version=version)
+
+    @classmethod
+    def from_megatron(cls, engine: Any, config: Optional[EngineConfig] = None, *,
+                      tokenizer: Any = None) -> "GenerationEngine":
+        """Share the parameters of a :class:`parallel.engine.MegatronEngine` (pp = 1)."""
+        groups = engine.groups
+        tp_group = groups.tp_group if groups.strategy.tp > 1 else None
+        return cls(engine.hf_config, dict(engine.module.named_parameters()), config,
+                   tp_group=tp_group, tokenizer=tokenizer, version=getattr(engine, "version", 0))
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def weight_version(self) -> int:
+        return self.version
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.arch.vocab_size
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting or self._done)
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, rid: str, input_ids: Sequence[int], params: SamplingParams) -> list[str]:
+        """Queue a prompt; returns its sequence ids (``rid``, or ``rid-i`` for n > 1).
+
+        Raises ValueError (and changes nothing) on a bad prompt or bad params.
+        """
+        if not isinstance(rid, str) or not rid:
+            raise ValueError(f"rid must be a non-empty string, got {rid!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        prompt = validate_input_ids(list(input_ids) if isinstance(input_ids, torch.Tensor)
+                                    else input_ids, self.vocab_size, self._max_context)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop (stop strings) needs a tokenizer; this engine "
+                             "has none (pass tokenizer=..., or use stop_token_ids)")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"sampling_params.stop_token_ids: {t} is not in [0, {self.vocab_size})")
+        rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        clash = [r for r in rids if r in self._ids]
+        if clash:
+            raise ValueError(f"rid {clash[0]!r} is already in use by a running request")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.spec.eos_token_ids)
+        base = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
+        for i, r in enumerate(rids):
+            seq = _Seq(r, rid, i, prompt, params, base + i, frozenset(stop_ids))
+            self._ids.add(r)
+            if params.max_new_tokens == 0:
+                self._finish_now(seq, {"type": "length", "length": 0})
+            else:
+                self._waiting.append(seq)
+        return rids
+
+    def _finish_now(self, seq: _Seq, reason: dict[str, Any]) -> None:
+        self._ids.discard(seq.rid)
+        self._done.append(seq.result(reason))
+
+    def abort(self, rid: str) -> list[GenerationResult]:
+        """Finish the request (all its samples) now; returns what they generated."""
+        out = [r for r in self._done if r.request_rid == rid or r.rid == rid]
+        self._done = [r for r in self._done if r not in out]
+        for seq in [s for s in self._waiting if s.request_rid == rid or s.rid == rid]:
+            self._waiting.remove(seq)
+            self._ids.discard(seq.rid)
+            out.append(seq.result({"type": "abort"}))
+        rows = [i for i, s in enumerate(self._running) if s.request_rid == rid or s.rid == rid]
+        out += [r for _, r in self._remove_rows({i: {"type": "abort"} for i in rows})]
+        return out
+
+    def pause(self, mode: str = "abort") -> list[GenerationResult]:
+        """``abort``: finish everything now (returned); ``retract``: hold everything
+        for re-prefill at the next step (returns [])."""
+        if mode == "retract":
+            self._retract()
+            return []
+        if mode != "abort":
+            raise ValueError(f"pause mode={mode!r}: expected 'abort' or 'retract'")
+        out, self._done = self._done, []
+        for seq in list(self._waiting):
+            self._ids.discard(seq.rid)
+            out.append(seq.result({"type": "abort"}))
+        self._waiting.clear()
+        out += [r for _, r in self._remove_rows({i: {"type": "abort"}
+                                                 for i in range(len(self._running))})]
+        return out
+
+    def _retract(self) -> None:
+        """Running requests go back to the head of the queue (KV recomputed when they rejoin)."""
+        self._waiting.extendleft(reversed(self._running))
+        self._running = []
+
+    def flush_cache(self) -> None:
+        """Drop every KV entry; running requests are re-prefilled at the next step."""
+        self._retract()
+
+    # ------------------------------------------------------------ weights
+
+    def update_weights_from_tensors(self, tensors: Mapping[str, torch.Tensor], fmt: str = "hf",
+                                    version: Optional[int] = None) -> int:
+        """In-place update from HF-named FULL tensors (``fmt="hf"``, any subset of whole
+        entries) or this rank's megatron-named local tensors (``fmt="megatron"``).
+        Validated completely before anything is written.  Returns the new version."""
+        if fmt == "hf":
+            local = mcore_from_hf_tensors(self.spec, self.hf_config, tensors, partial=True)
+        elif fmt == "megatron":
+            local = dict(tensors)
+        else:
+            raise ValueError(f"weight format {fmt!r}: expected 'hf' or 'megatron'")
+        self.weights.check_update(local)
+        self.weights.copy_(local)
+        return self.weights_updated(version)
+
+    def update_weights_from_disk(self, model_path: str, version: Optional[int] = None) -> int:
+        """In-place update from an HF checkpoint directory (same architecture)."""
+        local = load_hf_weights(model_path, self.hf_config, self.spec, self.weights.dtype)
+        self.weights.copy_(local)
+        return self.weights_updated(version)
+
+    def weights_updated(self, version: Optional[int] = None) -> int:
+        """Call after writing the (shared) weight tensors in place: running requests
+        are retracted so no token mixes KV of two versions; the version moves on."""
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise ValueError(f"weight_version={version!r}: must be an integer")
+        self._retract()
+        self.version = self.version + 1 if version is None else int(version)
+        return self.version
+
+    # ------------------------------------------------------------ stepping
+
+    def step(self) -> list[GenerationResult]:
+        """Prefill joiners, decode one token for the others; return finished sequences."""
+        t0 = time.perf_counter()
+        done, self._done = self._done, []
+        n_old = len(self._running)
+        joined = self._admit()
+        finished: dict[int, dict[str, Any]] = {}
+        if joined:
+            self._prefill(n_old, joined, finished)
+        if n_old:
+            logits = self.decoder.decode(self._last[:n_old], self._pos[:n_old], self.cache)
+            self._accept(0, logits, finished, decode=True)
+        done += [r for _, r in self._remove_rows(finished)]
+        self.steps += 1
+        self.busy_seconds += time.perf_counter() - t0
+        return done
+
+    def _admit(self) -> list[_Seq]:
+        joined: list[_Seq] = []
+        budget = self.config.max_prefill_tokens
+        while self._waiting and len(self._running) < self.cache.slots:
+            n = len(self._waiting[0].prompt) + len(self._waiting[0].out)
+            if joined and n > budget:
+                break
+            seq = self._waiting.popleft()
+            budget -= n
+            joined.append(seq)
+            self._running.append(seq)
+        return joined
+
+    def _prefill(self, row0: int, joined: list[_Seq], finished: dict[int, dict[str, Any]]) -> None:
+        seqs = [s.prompt + s.out for s in joined]
+        lens = [len(x) for x in seqs]
+        P = max(lens)
+        ids = torch.zeros(len(seqs), P, dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        dev = self._pos.device
+        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        logits = self.decoder.prefill(ids.to(dev), lens_t, self.cache, row0)
+        self._pos[row0:row0 + len(seqs)] = lens_t
+        self._accept(row0, logits, finished, decode=False)
+
+    def _accept(self, row0: int, logits: torch.Tensor, finished: dict[int, dict[str, Any]],
+                decode: bool) -> None:
+        """Sample rows ``row0..row0+B-1`` and append to their sequences."""
+        B = logits.shape[0]
+        seqs = self._running[row0:row0 + B]
+        ps = [s.params for s in seqs]
+        batch = SampleBatch([p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
+                            [s.rng.random() if not p.greedy else 0.0 for s, p in zip(seqs, ps)])
+        tokens, raw, proc = sample(logits, batch)
+        self._last[row0:row0 + B] = tokens
+        if decode:  # the fed token now sits in the cache
+            self._pos[row0:row0 + B] += 1
+        toks, raws, procs = tokens.tolist(), raw.tolist(), proc.tolist()
+        self.tokens_generated += B
+        for i, seq in enumerate(seqs):
+            tok, p = toks[i], seq.params
+            seq.out.append(tok)
+            seq.logprobs.append(raws[i] if p.logprob_mode == "raw" else procs[i])
+            seq.versions.append(self.version)
+            reason = self._finish_reason(seq, tok)
+            if reason is not None:
+                finished[row0 + i] = reason
+
+    def _finish_reason(self, seq: _Seq, tok: int) -> Optional[dict[str, Any]]:
+        if tok in seq.stop_ids:
+            return {"type": "stop", "matched": tok}
+        if seq.params.stop:
+            text = self.tokenizer.decode(seq.out[-seq.stop_window:])
+            for s in seq.params.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if len(seq.out) >= seq.params.max_new_tokens:
+            return {"type": "length", "length": len(seq.out)}
+        if len(seq.prompt) + len(seq.out) >= self._max_context:
+            return {"type": "length", "length": len(seq.out)}
+        return None
+
+    def _remove_rows(self, finished: dict[int, dict[str, Any]]) -> list[tuple[int, GenerationResult]]:
+        """Remove rows (highest first), filling each hole with the last row (compact batch)."""
+        out = []
+        for row in sorted(finished, reverse=True):
+            seq = self._running[row]
+            last = len(self._running) - 1
+            if row != last:
+                moved = self._running[last]
+                self.cache.move(last, row, int(self._pos[last]))
+                self._last[row] = self._last[last]
+                self._pos[row] = self._pos[last]
+                self._running[row] = moved
+            self._running.pop()
+            self._ids.discard(seq.rid)
+            out.append((row, seq.result(finished[row])))
+        out.reverse()
+        return out
+
+    # ------------------------------------------------------------ helpers
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 ) -> list[GenerationResult]:
+        """Run prompts to completion; results in prompt order (samples of a prompt by index)."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        base = f"gen{self._rng.randrange(2 ** 32):08x}"
+        order: dict[str, int] = {}
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            for r in self.add_request(f"{base}-{i}", p, sp):
+                order[r] = len(order)
+        results: list[GenerationResult] = []
+        while len(results) < len(order):
+            results += [r for r in self.step() if r.rid in order]
+        return sorted(results, key=lambda r: order[r.rid])
+
+    def decode(self, ids: Sequence[int]) -> Optional[str]:
+        return None if self.tokenizer is None else self.tokenizer.decode(list(ids))
+
+    def stats(self) -> dict[str, float]:
+        return {"tokens_generated": float(self.tokens_generated), "steps": float(self.steps),
+                "busy_seconds": self.busy_seconds, "running_requests": float(len(self._running)),
+                "queued_requests": float(len(self._waiting)), "weight_version": float(self.version),
+                "kv_cache_bytes": float(self.cache.nbytes)}
+
+
+def _try_tokenizer(path: str) -> Any:
+    import os
+
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

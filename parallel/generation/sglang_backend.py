@@ -1,0 +1,73 @@
+"""The ``sglang`` generation backend: SGLang's own server, driven by the same client.
+
+On GPU, SGLang already speaks the HTTP API realflow's gen server copies
+(``/generate``, ``/update_weights_from_disk``, ``/pause_generation``, ...), so
+this backend does not wrap an engine: ``gen_server --backend sglang`` replaces
+itself with ``python -m sglang.launch_server`` and
+:class:`realflow.system.gen_client.GenerationClient` talks to it unchanged.
+Imports are lazy: nothing here needs CUDA or sglang until it is used.  Not
+tested in CI (no GPU, no sglang on CPU machines).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from realflow.api.generation import BackendConfig, generation_backends
+
+__all__ = ["SGLangServerBackend", "sglang_available", "sglang_command"]
+
+
+def sglang_available() -> bool:
+    """True when sglang is importable and CUDA is usable."""
+    if importlib.util.find_spec("sglang") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def sglang_command(cfg: BackendConfig, host: str, port: int) -> list[str]:
+    """The ``sglang.launch_server`` command line for ``cfg`` (extra options become flags)."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path,
+           "--host", host, "--port", str(port), "--dtype", cfg.dtype,
+           "--max-running-requests", str(cfg.max_running_requests),
+           "--random-seed", str(cfg.seed)]
+    if cfg.tokenizer_path:
+        cmd += ["--tokenizer-path", cfg.tokenizer_path]
+    if cfg.max_seq_len:
+        cmd += ["--context-length", str(cfg.max_seq_len)]
+    for k, v in sorted(cfg.extra.items()):
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            cmd.append(flag)
+        elif v not in (False, None):
+            cmd += [flag, str(v)]
+    return cmd
+
+
+@dataclass
+class SGLangServerBackend:
+    """:class:`realflow.api.generation.ExternalServerBackend` running SGLang."""
+
+    cfg: BackendConfig
+
+    def serve(self, host: str, port: int) -> int:
+        if not sglang_available():
+            raise RuntimeError("the sglang backend needs CUDA and the sglang package "
+                               "(pip install 'realflow[sglang]'); use --backend builtin on CPU")
+        if port == 0:
+            raise ValueError("the sglang backend needs an explicit --port (SGLang cannot bind port 0)")
+        cmd = sglang_command(self.cfg, host, port)
+        proc = subprocess.Popen(cmd, env=dict(os.environ))
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.terminate()
+            return proc.wait(timeout=30)
+
+
+generation_backends.register("sglang", SGLangServerBackend)

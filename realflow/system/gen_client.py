@@ -1,0 +1,157 @@
+"""GenerationClient: the one client for realflow's gen server and for SGLang.
+
+Every call has a timeout; a timeout or a refused connection raises
+:class:`GenerationServerError` naming the server URL and the endpoint, and a
+4xx/5xx answer raises it with the server's message.  In-memory weight updates
+go through POSIX shared memory (:mod:`realflow.comm.shm`): only a JSON handle
+travels over HTTP, never pickled tensors.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import requests
+
+__all__ = ["GenerationClient", "GenerationServerError", "parse_prometheus"]
+
+
+class GenerationServerError(RuntimeError):
+    """A gen server call failed; ``status`` is the HTTP status (None: no answer)."""
+
+    def __init__(self, message: str, status: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """``name value`` lines of Prometheus text (labels kept in the name; comments skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+class GenerationClient:
+    """HTTP client of one generation server (``base_url`` like ``http://127.0.0.1:30000``)."""
+
+    def __init__(self, base_url: str, timeout: float = 60.0,
+                 generate_timeout: Optional[float] = 600.0) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url {base_url!r} must start with http:// or https://")
+        self.base_url = base_url.rstrip("/")
+        self.timeout = float(timeout)
+        self.generate_timeout = generate_timeout
+        self._session = requests.Session()
+
+    def close(self) -> None:
+        self._session.close()
+
+    def __enter__(self) -> "GenerationClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ transport
+
+    def _call(self, method: str, endpoint: str, body: Optional[dict[str, Any]] = None,
+              timeout: Optional[float] = None, raw: bool = False) -> Any:
+        url = self.base_url + endpoint
+        t = self.timeout if timeout is None else timeout
+        try:
+            resp = self._session.request(method, url, json=body, timeout=t)
+        except requests.Timeout:
+            raise GenerationServerError(f"gen server {self.base_url} did not answer {method} {endpoint} "
+                                        f"within {t:.0f}s") from None
+        except requests.ConnectionError as e:
+            raise GenerationServerError(f"gen server {self.base_url} unreachable for {method} "
+                                        f"{endpoint}: {e}") from None
+        if resp.status_code >= 400:
+            try:
+                msg = resp.json().get("error") or resp.text
+            except ValueError:
+                msg = resp.text
+            raise GenerationServerError(f"gen server {self.base_url} {method} {endpoint} -> "
+                                        f"{resp.status_code}: {msg}", resp.status_code)
+        if raw:
+            return resp.text
+        return resp.json()
+
+    # ------------------------------------------------------------ API
+
+    def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]],
+                 sampling_params: Optional[Mapping[str, Any] | Sequence[Mapping[str, Any]]] = None,
+                 return_logprob: bool = True, rid: Optional[str | list[str]] = None,
+                 timeout: Optional[float] = None) -> Any:
+        """SGLang ``/generate``: an object for one prompt with n == 1, else a list."""
+        body: dict[str, Any] = {"input_ids": [list(map(int, p)) for p in input_ids]
+                                if input_ids and not isinstance(input_ids[0], int)
+                                else list(map(int, input_ids)),
+                                "return_logprob": return_logprob}
+        if sampling_params is not None:
+            body["sampling_params"] = (list(map(dict, sampling_params))
+                                       if isinstance(sampling_params, (list, tuple))
+                                       else dict(sampling_params))
+        if rid is not None:
+            body["rid"] = rid
+        return self._call("POST", "/generate", body,
+                          timeout if timeout is not None else self.generate_timeout)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: Optional[int] = None,
+                                 timeout: Optional[float] = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model_path": model_path}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._call("POST", "/update_weights_from_disk", body, timeout)
+
+    def update_weights_from_tensors(self, tensors: Mapping[str, Any], fmt: str = "hf",
+                                    weight_version: Optional[int] = None,
+                                    timeout: Optional[float] = None) -> dict[str, Any]:
+        """Send ``tensors`` (HF names and full shapes for ``fmt="hf"``) through shared memory.
+
+        The server must be on this host.  If the call fails the segment is released here.
+        """
+        from realflow.comm.shm import put_tensors, release
+
+        handle = put_tensors(dict(tensors))
+        body: dict[str, Any] = {"shm_handle": handle, "format": fmt}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        try:
+            return self._call("POST", "/update_weights_from_tensor", body, timeout)
+        finally:
+            release(handle)  # no-op when the server took it
+
+    def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
+        return self._call("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict[str, Any]:
+        return self._call("POST", "/continue_generation", {})
+
+    def flush_cache(self) -> dict[str, Any]:
+        return self._call("POST", "/flush_cache", {})
+
+    def abort_request(self, rid: str) -> dict[str, Any]:
+        return self._call("POST", "/abort_request", {"rid": rid})
+
+    def health(self, timeout: Optional[float] = None) -> dict[str, Any]:
+        return self._call("GET", "/health", timeout=timeout)
+
+    def is_healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            return self.health(timeout).get("status") == "ok"
+        except GenerationServerError:
+            return False
+
+    def model_info(self) -> dict[str, Any]:
+        return self._call("GET", "/get_model_info")
+
+    def metrics(self) -> dict[str, float]:
+        return parse_prometheus(self._call("GET", "/metrics", raw=True))

@@ -1,0 +1,272 @@
+"""HTTP contract of the gen server, on a real server process (builtin backend, tiny model).
+
+Every endpoint is exercised through :class:`GenerationClient`; outputs are
+checked against transformers (greedy tokens exact, logprobs within
+LOGPROB_ATOL); pause (abort / retract) + weight updates (disk, shared memory)
++ continue; bad requests answer 4xx with a message and the server stays healthy.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from parallel.testing import make_tiny_hf
+from realflow.system.gen_client import GenerationClient, GenerationServerError
+
+torch.set_num_threads(1)
+LOGPROB_ATOL = 1e-4
+START_TIMEOUT = 90.0
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        path = str(tmp_path_factory.mktemp(name))
+        _, model = make_tiny_hf(path, seed=seed, family="qwen2")
+        out[name] = (path, model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    """(url, process) of a gen server on model a."""
+    log_path = tmp_path_factory.mktemp("log") / "server.log"
+    log = open(log_path, "w")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "realflow.system.gen_server", "--model", models["a"][0],
+         "--backend", "builtin", "--import", "parallel.generation", "--port", "0",
+         "--threads", "1", "--max-running-requests", "16"],
+        stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
+    ready: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("READY "):
+                ready.append(line.split()[1])
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + START_TIMEOUT
+    while not ready:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.close()
+            pytest.fail(f"gen server did not start within {START_TIMEOUT}s:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.1)
+    yield ready[0], proc
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    log.close()
+
+
+@pytest.fixture
+def client(server):
+    with GenerationClient(server[0], timeout=30, generate_timeout=120) as c:
+        yield c
+        assert c.is_healthy(), "server not healthy after the test"
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def check_logprobs(model, prompt, out, lps, lo=0, hi=None):
+    logits = model(torch.tensor([prompt + out])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(out)[:, None]).squeeze(1)
+    d = (ref[lo:hi] - torch.tensor(lps)[lo:hi]).abs().max().item()
+    assert d <= LOGPROB_ATOL, d
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def test_generate_contract(client, models):
+    _, ma = models["a"]
+    v0 = client.model_info()["weight_version"]
+    r = client.generate([1, 2, 3], {"max_new_tokens": 6, **GREEDY}, rid="one")
+    assert isinstance(r, dict) and r["meta_info"]["id"] == "one"
+    assert r["output_ids"] == hf_greedy(ma, [1, 2, 3], 6)
+    m = r["meta_info"]
+    assert m["finish_reason"] == {"type": "length", "length": 6}
+    assert m["prompt_tokens"] == 3 and m["completion_tokens"] == 6 and m["weight_version"] == v0
+    assert [t for _, t, _ in m["output_token_logprobs"]] == r["output_ids"]
+    check_logprobs(ma, [1, 2, 3], r["output_ids"], [lp for lp, _, _ in m["output_token_logprobs"]])
+    batch = client.generate([[5, 6], [7, 8, 9, 10]], [{"max_new_tokens": 3, **GREEDY},
+                                                      {"max_new_tokens": 5, **GREEDY}], return_logprob=False)
+    assert [len(b["output_ids"]) for b in batch] == [3, 5]
+    assert "output_token_logprobs" not in batch[0]["meta_info"]
+    assert batch[1]["output_ids"] == hf_greedy(ma, [7, 8, 9, 10], 5)
+    n = client.generate([4, 4], {"max_new_tokens": 4, "n": 3, "seed": 3, "ignore_eos": True})
+    assert isinstance(n, list) and len(n) == 3
+    again = client.generate([4, 4], {"max_new_tokens": 4, "n": 3, "seed": 3, "ignore_eos": True})
+    assert [x["output_ids"] for x in n] == [x["output_ids"] for x in again]
+
+
+def test_concurrent_requests_join_running_batch(client, models):
+    _, ma = models["a"]
+    prompts = [[i + 1, i + 2, i + 3][: 1 + i % 3] for i in range(12)]
+    results: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        with GenerationClient(client.base_url) as c:
+            results[i] = c.generate(prompts[i], {"max_new_tokens": 8 + i, **GREEDY})["output_ids"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == 12
+    for i, p in enumerate(prompts):
+        assert results[i] == hf_greedy(ma, p, 8 + i), i
+
+
+def _background_batch(client, n_prompts=16, max_new=200):
+    box: dict = {}
+    before = client.metrics()["realflow_gen_tokens_generated_total"]
+
+    def run():
+        box["res"] = client.generate([[3 + i, 9] for i in range(n_prompts)],
+                                     {"max_new_tokens": max_new, **GREEDY})
+
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.monotonic() + 30
+    while client.metrics()["realflow_gen_tokens_generated_total"] <= before:
+        assert time.monotonic() < deadline, "generation never started"
+        time.sleep(0.005)
+    return t, box
+
+
+def test_pause_abort_update_disk_continue(client, models):
+    (pa, ma), (pb, mb) = models["a"], models["b"]
+    with GenerationClient(client.base_url) as c2:
+        t, box = _background_batch(c2)
+        client.pause_generation("abort")
+        t.join(60)
+    res = box["res"]
+    assert any(r["meta_info"]["finish_reason"]["type"] == "abort" for r in res)
+    v = client.update_weights_from_disk(pb)["weight_version"]
+    queued = {}
+    qt = threading.Thread(target=lambda: queued.update(r=client.generate([2], {"max_new_tokens": 3, **GREEDY})))
+    qt.start()  # while paused: waits in the queue
+    time.sleep(0.3)
+    assert qt.is_alive() and client.metrics()["realflow_gen_paused"] == 1
+    client.continue_generation()
+    qt.join(60)
+    assert queued["r"]["output_ids"] == hf_greedy(mb, [2], 3)
+    part = next(r for r in res if r["meta_info"]["finish_reason"]["type"] == "abort")
+    prompt = [3 + res.index(part), 9]
+    check_logprobs(ma, prompt, part["output_ids"], [x[0] for x in part["meta_info"]["output_token_logprobs"]])
+    prefix = prompt + part["output_ids"]
+    cont = client.generate(prefix, {"max_new_tokens": 5, **GREEDY})
+    assert cont["output_ids"] == hf_greedy(mb, prefix, 5) and cont["meta_info"]["weight_version"] == v
+    client.update_weights_from_disk(pa)  # back to a for the other tests
+
+
+def test_pause_retract_update_tensor_continue(client, models):
+    (pa, ma), (pb, mb) = models["a"], models["b"]
+    v_a = client.health()["weight_version"]
+    with GenerationClient(client.base_url) as c2:
+        t, box = _background_batch(c2)
+        assert client.pause_generation("retract")["aborted"] == 0
+        r = client.update_weights_from_tensors(dict(mb.state_dict()), weight_version=v_a + 10)
+        assert r["weight_version"] == v_a + 10
+        client.continue_generation()
+        t.join(120)
+    spans = 0
+    for i, r in enumerate(box["res"]):
+        vs = r["meta_info"]["output_token_weight_versions"]
+        assert r["meta_info"]["finish_reason"]["type"] == "length" and len(r["output_ids"]) == 200
+        assert vs == sorted(vs) and set(vs) <= {v_a, v_a + 10}
+        k = vs.count(v_a)
+        lps = [x[0] for x in r["meta_info"]["output_token_logprobs"]]
+        if 0 < k < len(vs):
+            spans += 1
+            prompt = [3 + i, 9]
+            check_logprobs(ma, prompt, r["output_ids"], lps, hi=k)
+            check_logprobs(mb, prompt, r["output_ids"], lps, lo=k)
+            assert r["output_ids"][:k] == hf_greedy(ma, prompt, k)
+            assert r["output_ids"][k:k + 5] == hf_greedy(mb, prompt + r["output_ids"][:k], 5)
+    assert spans > 0, "no sequence was interrupted (pause came too late)"
+    client.flush_cache()
+    client.update_weights_from_disk(pa)
+
+
+def test_bad_requests_get_4xx(client, server):
+    url = server[0]
+    bad_before = client.metrics()["realflow_gen_bad_requests_total"]
+    cases = [
+        ("/generate", b"{not json", "JSON"),
+        ("/generate", {"sampling_params": {}}, "input_ids"),
+        ("/generate", {"input_ids": []}, "input_ids"),
+        ("/generate", {"input_ids": [1, 999999]}, "input_ids"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 2}}, "top_p"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"n": 0}}, "n="),
+        ("/generate", {"input_ids": [1], "sampling_params": {"bogus": 1}}, "bogus"),
+        ("/generate", {"input_ids": [1], "foo": 1}, "foo"),
+        ("/generate", {"input_ids": [[1], []]}, r"input_ids[1]"),
+        ("/generate", {"input_ids": [1] * 300}, "context"),
+        ("/generate", {"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
+        ("/pause_generation", {"mode": "sideways"}, "mode"),
+        ("/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}, "nonexistent"),
+        ("/update_weights_from_disk", {}, "model_path"),
+        ("/update_weights_from_tensor", {"shm_handle": {"segment": "../x", "size": 1, "tensors": {}}}, "handle"),
+        ("/update_weights_from_tensor", {"shm_handle": {"segment": None, "size": 0, "tensors": {}},
+                                         "format": "onnx"}, "format"),
+        ("/abort_request", {}, "rid"),
+        ("/no_such_endpoint", {}, "Not Found"),
+    ]
+    for path, body, msg in cases:
+        kw = {"data": body} if isinstance(body, bytes) else {"json": body}
+        resp = requests.post(url + path, timeout=30, **kw)
+        assert 400 <= resp.status_code < 500, (path, body, resp.status_code, resp.text)
+        err = resp.json()["error"]
+        assert msg in err, (path, body, err)
+    assert client.metrics()["realflow_gen_bad_requests_total"] >= bad_before + len(cases)
+    assert client.health()["status"] == "ok"
+    assert len(client.generate([1, 2], {"max_new_tokens": 2, **GREEDY})["output_ids"]) == 2
+    with pytest.raises(GenerationServerError) as e:
+        client.generate([1, 2], {"top_k": 0})
+    assert e.value.status == 400 and "top_k" in str(e.value)
+
+
+def test_metrics_and_abort_request(client):
+    before = client.metrics()["realflow_gen_tokens_generated_total"]
+    client.generate([[1], [2]], {"max_new_tokens": 4, **GREEDY})
+    m = client.metrics()
+    for key in ("realflow_gen_running_requests", "realflow_gen_queued_requests",
+                "realflow_gen_tokens_per_second", "realflow_gen_weight_version"):
+        assert key in m
+    assert m["realflow_gen_tokens_generated_total"] >= before + 8
+    assert client.abort_request("no-such-rid")["aborted"] == 0
+    text = requests.get(client.base_url + "/metrics", timeout=10).text
+    assert "# TYPE realflow_gen_tokens_generated_total counter" in text
+
+
+def test_client_timeouts_name_server(server):
+    from realflow.base.network import find_free_ports
+
+    dead = f"http://127.0.0.1:{find_free_ports(1)[0]}"
+    with pytest.raises(GenerationServerError, match="127.0.0.1.*/health"):
+        GenerationClient(dead, timeout=2).health()
+    with GenerationClient(server[0], timeout=5, generate_timeout=0.001) as c:
+        with pytest.raises(GenerationServerError, match=r"did not answer POST /generate"):
+            c.generate([1] * 10, {"max_new_tokens": 200, **GREEDY})

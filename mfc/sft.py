@@ -61,13 +61,14 @@ class SFTInterface(ModelInterface):
         model.module.save_hf(path, tokenizer_dir=getattr(model.tokenizer, "name_or_path", None))
 
 
-def _nll_loss(logits: torch.Tensor, extra: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    nll = -logp.gather(-1, extra["targets"].unsqueeze(-1)).squeeze(-1)
+def _nll_loss(out: Any, extra: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+    """``out`` is the engine's per-token view (parallel.outputs.TokenOutputs): log-probs
+    and argmax are computed on the vocab shards, so this works in any (tp, pp) layout."""
     mask = extra["mask"]
-    loss_sum = (nll * mask).sum()
+    logp = out.logprobs(extra["targets"])
+    loss_sum = -(logp * mask).sum()
     with torch.no_grad():
-        hits = ((logits.argmax(-1) == extra["targets"]) & mask).sum()
+        hits = ((out.argmax() == extra["targets"]) & mask).sum()
     return loss_sum, {"token_acc_sum": float(hits), "n_loss_tokens": float(mask.sum())}
 
 

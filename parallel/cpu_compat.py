@@ -31,10 +31,9 @@ host runs stock megatron), and is idempotent.  Three mechanisms, narrowest first
    tensor itself.  (The swap is process-wide for the duration of the call; these
    are construction / optimizer-step calls on the training thread.)
 
-Every entry below was checked to be needed by dp training, tp = 2 forward or
-pp = 2 construction (removing it breaks one of them).  Not mapped yet: the
-pipeline p2p buffers (``pipeline_parallel.p2p_communication``, needed once pp
-schedules run), GPU-initialised linear weights (we use CPU init on CPU), the
+Every entry below was checked to be needed by dp training, tp / sequence-
+parallel training, or the pp 1F1B schedule (removing it breaks one of them).
+Not mapped: GPU-initialised linear weights (we use CPU init on CPU), the
 distributed optimizer's checkpoint/offload paths.  Not mapped at all (never
 enabled on CPU): ``torch.autocast("cuda")`` in the schedules
 (``enable_autocast``), CUDA streams for overlapped grad reduce
@@ -77,6 +76,12 @@ _DEVICE_MODULES: dict[str, str] = {
     "megatron.core.optimizer.clip_grads": "grad-norm / clipping scratch tensors",
     # _gather_along_*_dim allocate on torch.cuda.current_device() (tp > 1: logits gather)
     "megatron.core.tensor_parallel.mappings": "tensor-parallel collectives",
+    # LinearWithGradAccumulationAndAsyncCommunication.backward (sequence parallel):
+    # all-gather buffer of the input on torch.cuda.current_device()
+    "megatron.core.tensor_parallel.layers": "sequence-parallel linear backward",
+    # P2PCommunicator._communicate: receive buffers (and shape buffers) on
+    # torch.cuda.current_device(); torch.cuda.synchronize() after batched p2p
+    "megatron.core.pipeline_parallel.p2p_communication": "pipeline p2p buffers",
 }
 
 # (module, qualified attribute) of megatron callables that compare tensor.type()

@@ -1,23 +1,34 @@
-"""MegatronEngine: one model's forward / train step / generate / HF save on its ranks.
+"""MegatronEngine: one model's forward / logprobs / values / train step / HF save, any layout.
 
-Built from an HF config and the model's :class:`parallel.groups.ModelGroups`.
-Training uses megatron DDP (grad buffers, reduce in fp32) + DistributedOptimizer
-and megatron's forward-backward schedule, so pipeline parallelism (issue 3)
-plugs into the same loop.
+Built from an HF config and the model's :class:`parallel.groups.ModelGroups`
+(dp x tp x pp).  Training uses megatron DDP (grad buffers, reduce in fp32) +
+DistributedOptimizer and megatron's forward-backward schedule (1F1B when pp > 1,
+see :mod:`parallel.pipeline`); tensor parallelism runs with sequence parallelism.
+
+Who gets what (``is_output_rank`` = last pipeline stage and tp rank 0, i.e. the
+data-parallel head of each dp replica, ``Layout.dp_head`` in the plan):
+
+* ``forward`` / ``logprobs`` / ``values`` return tensors on output ranks and
+  ``None`` on every other rank;
+* ``train_batch`` returns the same stats dict on every rank of the model;
+* ``greedy_generate`` returns the new tokens on every rank of the replica;
+* ``save_hf`` / ``full_hf_state`` gather to one writer (dp 0, tp 0, pp 0).
+
+Every method is collective over the ranks of one dp replica (``forward``,
+``logprobs``, ``values``, ``greedy_generate``) or of the whole model (the rest),
+and all tp and pp ranks of a replica pass the same inputs.
 
 Loss normalisation: the caller's ``loss_fn`` returns a SUM over tokens and
 ``loss_weight_fn`` the weight of a micro-batch (e.g. its number of loss tokens).
 The engine all-reduces the total weight ``W`` over the dp group and back-props
 ``loss_sum * dp * n_mb / W`` per micro-batch: megatron's schedule divides by the
 local micro-batch count ``n_mb`` and DDP averages over dp, so the update is the
-gradient of ``sum(all loss sums) / W``, independent of the dp size and of how
-the batch is split into micro-batches.
+gradient of ``sum(all loss sums) / W``, independent of the layout and of how the
+batch is split into micro-batches.
 """
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,23 +36,26 @@ import torch.distributed as dist
 
 from parallel.cpu_compat import apply_cpu_compat
 from parallel.groups import ModelGroups
-from parallel.hf_io import gather_hf_state, load_hf_checkpoint, save_hf_checkpoint
+from parallel.hf_io import CheckpointError, gather_hf_state, save_hf_checkpoint
+from parallel.hf_layout import execute_hf_load, gather_hf_state_any, plan_hf_load
 from parallel.mcore_globals import seed_megatron_rng
 from parallel.model import build_gpt_model
 from parallel.optim import OptimizerConfig, build_optimizer
-from parallel.packing import check_packed, pad_packed, split_by_token_budget
+from parallel.outputs import TokenOutputs
+from parallel.pipeline import (
+    MicroBatch,
+    ScheduleRunner,
+    next_token_targets,
+    share_from_last_stage,
+    split_packed,
+)
+from parallel.packing import check_packed
 
-__all__ = ["MegatronEngine", "OptimizerConfig"]
+__all__ = ["MegatronEngine", "OptimizerConfig", "TokenOutputs", "LossFn"]
 
-LossFn = Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, float]]]
+# loss_fn(outputs of one micro-batch's real tokens, the micro-batch's extra) -> (loss SUM, stats)
+LossFn = Callable[[TokenOutputs, Any], tuple[torch.Tensor, dict[str, float]]]
 _RESERVED = ("loss", "grad_norm", "lr", "n_tokens", "loss_weight", "n_mbs", "update_successful")
-
-
-@dataclass
-class _MicroBatch:
-    input_ids: torch.Tensor
-    seqlens: list[int]
-    extra: Any = None
 
 
 def _load_hf_config(hf_config: Any) -> Any:
@@ -52,8 +66,13 @@ def _load_hf_config(hf_config: Any) -> Any:
     return hf_config
 
 
+def _mb_signature(mbs: list[MicroBatch]) -> int:
+    """crc32 of the micro-batch structure (what every rank of a replica must agree on)."""
+    return zlib.crc32(";".join(",".join(map(str, mb.seqlens)) for mb in mbs).encode())
+
+
 class MegatronEngine:
-    """A megatron GPTModel (+ optimizer when trainable) on this rank's model groups."""
+    """A megatron GPTModel (LM or critic; + optimizer when trainable) on one model's groups."""
 
     def __init__(
         self,
@@ -65,33 +84,51 @@ class MegatronEngine:
         *,
         config_overrides: Optional[dict[str, Any]] = None,
         attention: str = "sdpa",
+        critic: bool = False,
     ) -> None:
         if not groups.is_member:
             raise ValueError(f"MegatronEngine: this rank is not one of the model ranks {groups.ranks}")
         apply_cpu_compat()
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         self.hf_config = _load_hf_config(hf_config)
         self.groups = groups
+        self.critic = critic
         self.version = 0
         # Same seed on every rank: replicated params start identical even without
         # a checkpoint; the tracker gives tp ranks distinct model-parallel streams.
         seed_megatron_rng(seed, groups.tp_rank)
         self.module, self.arch = build_gpt_model(self.hf_config, groups, attention=attention,
-                                                 config_overrides=config_overrides)
+                                                 config_overrides=config_overrides, critic=critic)
         self.config = self.module.config
         self.device = next(self.module.parameters()).device
         if init_checkpoint:
-            load_hf_checkpoint(self.module, init_checkpoint, self.hf_config, self.arch,
-                               groups.tp_rank, groups.strategy.tp)
+            self._load(init_checkpoint)
         self.optimizer_config = optimizer_config
         self.optimizer = self.scheduler = None
         self.model: torch.nn.Module = self.module
         if optimizer_config is not None:
             self._setup_training(optimizer_config)
-        self._fwd_bwd = get_forward_backward_func(pp_size=groups.strategy.pp, vp_size=None)
+        self._runner = ScheduleRunner(groups, self.config)
 
     # ------------------------------------------------------------------ setup
+
+    def _load(self, path: str) -> None:
+        """Validate on every rank, agree over the model's ranks, then copy (sliced reads)."""
+        g = self.groups
+        problem, plan = "", None
+        try:
+            plan = plan_hf_load(self.module, path, self.hf_config, self.arch, g.tp_rank,
+                                g.strategy.tp, critic=self.critic)
+        except CheckpointError as e:
+            problem = str(e)
+        bad = torch.tensor([float(bool(problem))])
+        if len(g.ranks) > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=g.model_group)
+        if problem:
+            raise CheckpointError(problem)
+        if bad.item():
+            raise CheckpointError(f"checkpoint {path} failed validation on another rank of the "
+                                  f"model (ranks {g.ranks}); nothing was loaded")
+        execute_hf_load(self.module, plan, self.hf_config, self.arch, g.tp_rank, g.strategy.tp)
 
     def _setup_training(self, cfg: OptimizerConfig) -> None:
         from megatron.core.distributed import (
@@ -119,29 +156,33 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ helpers
 
-    def _logits(self, model: torch.nn.Module, mb: _MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded forward of one micro-batch -> (logits [B, S, V] fp32, valid mask)."""
-        pb = pad_packed(mb.input_ids.to(self.device), mb.seqlens)
-        logits = model(pb.input_ids, pb.position_ids, None)  # causal mask built by megatron
-        if self.groups.strategy.tp > 1:
-            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    @property
+    def is_output_rank(self) -> bool:
+        """True where forward / logprobs / values return tensors: last stage, tp rank 0."""
+        return self.groups.is_last_stage and self.groups.tp_rank == 0
 
-            logits = gather_from_tensor_model_parallel_region(logits, self.groups.tp_group)
-        return logits[..., : self.arch.vocab_size].float(), pb.valid
+    def _token_outputs(self, valid: torch.Tensor, output: torch.Tensor) -> TokenOutputs:
+        shard = output.shape[-1]
+        start = 0 if self.critic else self.groups.tp_rank * shard
+        return TokenOutputs(output, valid, self.groups.tp_group, start, self.arch.vocab_size,
+                            self.critic)
 
-    def _schedule(self, model: torch.nn.Module, mbs: list[_MicroBatch], step_fn: Callable,
-                  forward_only: bool) -> list[Any]:
-        return self._fwd_bwd(
-            forward_step_func=step_fn,
-            data_iterator=iter(mbs),
-            model=[model],
-            num_microbatches=len(mbs),
-            seq_length=max(max(mb.seqlens) for mb in mbs),
-            micro_batch_size=max(len(mb.seqlens) for mb in mbs),
-            forward_only=forward_only,
-            collect_non_loss_data=forward_only,
-            pg_collection=self.groups.pg_collection,
-        )
+    @torch.no_grad()
+    def _infer(self, input_ids: torch.Tensor, seqlens: list[int], max_tokens_per_mb: Optional[int],
+               fn: Callable[[TokenOutputs, MicroBatch], Any]) -> list[Any]:
+        """Forward-only schedule; ``fn`` per micro-batch on the last stage ([] elsewhere)."""
+        mbs = split_packed(input_ids, seqlens, max_tokens_per_mb)
+        self.model.eval()
+        return self._runner.run(self.model, mbs,
+                                lambda mb, valid, out: fn(self._token_outputs(valid, out), mb),
+                                forward_only=True, device=self.device)
+
+    def _packed_result(self, parts: list[Any]) -> Any:
+        if not self.is_output_rank:
+            return None
+        if parts and isinstance(parts[0], tuple):
+            return tuple(torch.cat(p) for p in zip(*parts))
+        return torch.cat(parts)
 
     def dp_sum(self, values: list[float]) -> list[float]:
         """Sum ``values`` over this model's data-parallel group (identity when dp == 1)."""
@@ -150,129 +191,60 @@ class MegatronEngine:
             dist.all_reduce(t, group=self.groups.dp_group)
         return t.tolist()
 
-    # ------------------------------------------------------------------ API
+    # ------------------------------------------------------------------ inference
 
-    @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, seqlens: list[int],
-                max_tokens_per_mb: Optional[int] = None) -> torch.Tensor:
-        """Packed fp32 logits ``[sum(seqlens), vocab_size]`` (HF vocab, padding cut)."""
-        seqlens = [int(n) for n in seqlens]
-        check_packed(input_ids, seqlens)
-        bounds = split_by_token_budget(seqlens, max_tokens_per_mb)
-        offs = [0]
-        for n in seqlens:
-            offs.append(offs[-1] + n)
-        mbs = [_MicroBatch(input_ids[offs[a]:offs[b]], seqlens[a:b]) for a, b in bounds]
+                max_tokens_per_mb: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Packed fp32 logits ``[sum(seqlens), vocab_size]`` (HF vocab) on output ranks.
 
-        def step(data_iter, model):
-            mb = next(data_iter)
-            logits, valid = self._logits(model, mb)
-            return logits, partial(self._collect, valid)
-
-        self.model.eval()
-        outs = self._schedule(self.model, mbs, step, forward_only=True)
-        return torch.cat(outs, 0)
-
-    @staticmethod
-    def _collect(valid: torch.Tensor, logits: torch.Tensor, non_loss_data: bool = True):
-        return logits[valid]
-
-    def train_batch(self, micro_batches: list[tuple[torch.Tensor, list[int], Any]],
-                    loss_fn: LossFn, loss_weight_fn: Callable[[Any], float]) -> dict[str, float]:
-        """One optimizer step over this dp rank's micro-batches (see module docstring).
-
-        Returns ``loss`` (global weighted mean), ``grad_norm`` (before clipping),
-        ``lr`` (used by this step), ``n_tokens``, ``loss_weight`` and ``n_mbs`` (all
-        global over dp), ``update_successful`` and the caller's stats, each SUMMED
-        over all micro-batches of all dp ranks (divide by ``loss_weight`` or
-        ``n_tokens`` for means).  ``loss_fn`` must return the same stat keys on every
-        call and every rank.  Collective over the model's ranks; bad input on any
-        dp rank makes every rank raise (nobody is left waiting in a collective).
+        Gathers the full vocabulary over tp: for log-probs use :meth:`logprobs`.
+        A critic returns its values ``[sum(seqlens), 1]``.
         """
-        if self.optimizer is None:
-            raise RuntimeError("train_batch on an inference-only MegatronEngine "
-                               "(built with optimizer_config=None)")
-        mbs, weights, problem = [], [], ""
-        try:
-            if not micro_batches:
-                raise ValueError("train_batch needs at least one micro-batch on every dp rank")
-            for i, (ids, lens, extra) in enumerate(micro_batches):
-                lens = [int(n) for n in lens]
-                check_packed(ids, lens, what=f"micro_batches[{i}].input_ids")
-                mbs.append(_MicroBatch(ids, lens, extra))
-                weights.append(float(loss_weight_fn(extra)))
-        except (ValueError, TypeError) as e:
-            problem = str(e)
-        n_tokens_local = sum(sum(mb.seqlens) for mb in mbs)
-        total_w, n_tokens, n_mbs, n_bad = self.dp_sum(
-            [sum(weights), n_tokens_local, len(mbs), float(bool(problem))])
-        if n_bad:
-            raise ValueError(problem or f"train_batch: bad input on {int(n_bad)} other dp rank(s)")
-        if total_w <= 0:
-            raise ValueError(f"train_batch: total loss weight over the dp group is {total_w}")
-        scale = self.groups.strategy.dp * len(mbs) / total_w
-        loss_sums: list[torch.Tensor] = []
-        stats: list[dict[str, float]] = []
+        def fn(out: TokenOutputs, mb: MicroBatch) -> torch.Tensor:
+            return out.values()[:, None] if self.critic else out.logits()
 
-        def loss_func(mb: _MicroBatch, valid: torch.Tensor, logits: torch.Tensor):
-            loss_sum, st = loss_fn(logits[valid], mb.extra)
-            if not (isinstance(loss_sum, torch.Tensor) and loss_sum.dim() == 0):
-                raise TypeError("loss_fn must return (scalar tensor loss_sum, dict of stats)")
-            loss_sums.append(loss_sum.detach().double())
-            stats.append({k: float(v) for k, v in st.items()})
-            return loss_sum * scale, {}
+        return self._packed_result(self._infer(input_ids, seqlens, max_tokens_per_mb, fn))
 
-        def step(data_iter, model):
-            mb = next(data_iter)
-            logits, valid = self._logits(model, mb)
-            return logits, partial(loss_func, mb, valid)
+    def logprobs(self, input_ids: torch.Tensor, seqlens: list[int],
+                 max_tokens_per_mb: Optional[int] = None, *, temperature: float = 1.0,
+                 with_entropy: bool = False) -> Any:
+        """Log-prob of each next token, packed fp32 ``[sum(seqlens)]``, on output ranks.
 
-        self.model.train()
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self._schedule(self.model, mbs, step, forward_only=False)
-        keys = self._agreed_stat_keys(stats)  # before stepping: a bad loss_fn changes nothing
-        lr = float(self.optimizer.param_groups[0]["lr"])
-        ok, grad_norm, _ = self.optimizer.step()  # norm is computed even without clipping
-        self.scheduler.step(increment=1)
-        if ok:
-            self.version += 1
-        red = self.dp_sum([float(sum(loss_sums))] + [sum(s[k] for s in stats) for k in keys])
-        out = {"loss": red[0] / total_w, "grad_norm": float(grad_norm or 0.0), "lr": lr,
-               "n_tokens": n_tokens, "loss_weight": total_w, "n_mbs": n_mbs,
-               "update_successful": float(bool(ok))}
-        out.update(zip(keys, red[1:]))
-        return out
+        ``out[t] = log p(input_ids[t + 1] | input_ids[..t])`` within each sequence; the
+        last position of every sequence has no next token and holds 0.  Computed on
+        the vocab shards (no full-vocab gather).  ``with_entropy=True`` returns
+        ``(logprobs, entropy)``, entropy of the next-token distribution at every
+        position.  Logits are divided by ``temperature`` first.
+        """
+        if self.critic:
+            raise TypeError("logprobs() on a critic engine (use values())")
 
-    def _agreed_stat_keys(self, stats: list[dict[str, float]]) -> list[str]:
-        """The stat keys, checked to be the same for every micro-batch on every dp rank."""
-        keys = sorted(stats[0]) if stats else []
-        problem = ""
-        if any(sorted(s) != keys for s in stats):
-            problem = f"loss_fn returned different stat keys across micro-batches: " \
-                      f"{[sorted(s) for s in stats]}"
-        elif any(k in _RESERVED for k in keys):
-            problem = f"loss_fn stat keys {[k for k in keys if k in _RESERVED]} clash with " \
-                      f"engine keys {_RESERVED}"
-        sig = -1 if problem else zlib.crc32("\0".join(keys).encode())
-        t = torch.tensor([sig, -sig], dtype=torch.int64)
-        if self.groups.strategy.dp > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
-        if problem:
-            raise ValueError(problem)
-        if int(t[0]) != sig or int(t[1]) != -sig:
-            raise ValueError(f"loss_fn stat keys differ across dp ranks (this rank: {keys})")
-        return keys
+        def fn(out: TokenOutputs, mb: MicroBatch) -> Any:
+            targets, valid = next_token_targets(mb.input_ids.to(self.device), mb.seqlens)
+            lp, ent = out.logprobs_and_entropy(targets, temperature) if with_entropy else \
+                (out.logprobs(targets, temperature), None)
+            lp = torch.where(valid, lp, torch.zeros_like(lp))
+            return (lp, ent) if with_entropy else lp
+
+        return self._packed_result(self._infer(input_ids, seqlens, max_tokens_per_mb, fn))
+
+    def values(self, input_ids: torch.Tensor, seqlens: list[int],
+               max_tokens_per_mb: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Critic values per token, packed fp32 ``[sum(seqlens)]``, on output ranks."""
+        if not self.critic:
+            raise TypeError("values() on an LM engine (build it with critic=True)")
+        return self._packed_result(self._infer(input_ids, seqlens, max_tokens_per_mb,
+                                               lambda out, mb: out.values()))
 
     @torch.no_grad()
     def greedy_generate(self, prompts: list[list[int]], max_new_tokens: int,
                         eos_token_id: Optional[int] = None,
                         max_tokens_per_mb: Optional[int] = None) -> list[list[int]]:
-        """Greedy continuation of each prompt (batched, no KV cache).
-
-        Returns the NEW tokens of each prompt, ending with ``eos_token_id`` when it
-        was generated.
-        """
+        """Greedy continuation of each prompt (batched, no KV cache), on every rank of
+        the replica.  Returns the NEW tokens of each prompt, ending with
+        ``eos_token_id`` when it was generated."""
+        if self.critic:
+            raise TypeError("greedy_generate() on a critic engine")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("greedy_generate: empty prompt")
         seqs = [list(map(int, p)) for p in prompts]
@@ -283,11 +255,19 @@ class MegatronEngine:
                 break
             lens = [len(seqs[i]) for i in active]
             ids = torch.tensor([t for i in active for t in seqs[i]], dtype=torch.long)
-            logits = self.forward(ids, lens, max_tokens_per_mb)
-            last = torch.tensor(lens).cumsum(0) - 1
-            nxt = logits[last].argmax(-1).tolist()
+
+            def last_argmax(out: TokenOutputs, mb: MicroBatch) -> torch.Tensor:
+                ends = torch.tensor(mb.seqlens).cumsum(0) - 1
+                return out.argmax()[ends]
+
+            parts = self._infer(ids, lens, max_tokens_per_mb, last_argmax)
+            nxt = torch.cat(parts) if parts else torch.empty(len(active), dtype=torch.long)
+            if self.groups.strategy.pp > 1:  # the last stage tells the others
+                src = self.groups.rank_at(dp=self.groups.dp_rank, tp=self.groups.tp_rank,
+                                          pp=self.groups.strategy.pp - 1)
+                dist.broadcast(nxt, src=src, group=self.groups.pp_group)
             still = []
-            for i, tok in zip(active, nxt):
+            for i, tok in zip(active, nxt.tolist()):
                 seqs[i].append(tok)
                 new[i].append(tok)
                 if eos_token_id is None or tok != eos_token_id:
@@ -295,19 +275,170 @@ class MegatronEngine:
             active = still
         return new
 
+    # ------------------------------------------------------------------ training
+
+    def train_batch(self, micro_batches: list[tuple[torch.Tensor, list[int], Any]],
+                    loss_fn: LossFn, loss_weight_fn: Callable[[Any], float]) -> dict[str, float]:
+        """One optimizer step over this dp replica's micro-batches (see module docstring).
+
+        ``micro_batches``: ``(packed input_ids, seqlens, extra)`` each, the same on
+        every tp/pp rank of the replica.  ``loss_fn(outputs, extra)`` gets a
+        :class:`TokenOutputs` of the micro-batch's real tokens (packed order:
+        ``outputs.logprobs(targets)``, ``.entropy()``, ``.values()``, ...) and returns
+        ``(loss SUM as a scalar tensor, stats)``; it runs on the last pipeline stage
+        only, on every tp rank there.
+
+        Returns, on every rank: ``loss`` (global weighted mean), ``grad_norm`` (before
+        clipping), ``lr`` (used by this step), ``n_tokens``, ``loss_weight`` and
+        ``n_mbs`` (all global over dp), ``update_successful`` and the caller's stats,
+        each SUMMED over all micro-batches of all dp ranks.  ``loss_fn`` must return
+        the same stat keys on every call and every rank.  Bad input or a failing
+        ``loss_fn`` on any rank makes every rank raise ValueError before the
+        optimizer step (nobody is left waiting in a collective).
+        """
+        if self.optimizer is None:
+            raise RuntimeError("train_batch on an inference-only MegatronEngine "
+                               "(built with optimizer_config=None)")
+        g = self.groups
+        mbs, weights, problem = [], [], ""
+        try:
+            if not micro_batches:
+                raise ValueError("train_batch needs at least one micro-batch on every dp rank")
+            for i, (ids, lens, extra) in enumerate(micro_batches):
+                lens = [int(n) for n in lens]
+                check_packed(ids, lens, what=f"micro_batches[{i}].input_ids")
+                mbs.append(MicroBatch(ids, lens, extra))
+                weights.append(float(loss_weight_fn(extra)))
+        except (ValueError, TypeError) as e:
+            problem = str(e)
+        problem = self._check_replica_agrees(mbs, problem)
+        n_tokens_local = sum(sum(mb.seqlens) for mb in mbs)
+        total_w, n_tokens, n_mbs, n_bad = self.dp_sum(
+            [sum(weights), n_tokens_local, len(mbs), float(bool(problem))])
+        if n_bad:
+            raise ValueError(problem or f"train_batch: bad input on {int(n_bad)} other dp rank(s)")
+        if total_w <= 0:
+            raise ValueError(f"train_batch: total loss weight over the dp group is {total_w}")
+        scale = g.strategy.dp * len(mbs) / total_w
+        loss_sums: list[float] = []
+        stats: list[dict[str, float]] = []
+        errors: list[str] = []
+
+        def loss_func(mb: MicroBatch, valid: torch.Tensor, output: torch.Tensor):
+            try:
+                loss_sum, st = loss_fn(self._token_outputs(valid, output), mb.extra)
+                if not (isinstance(loss_sum, torch.Tensor) and loss_sum.dim() == 0):
+                    raise TypeError("loss_fn must return (scalar tensor loss_sum, dict of stats)")
+                st = {k: float(v) for k, v in st.items()}
+            except Exception as e:  # noqa: BLE001 - reported on every rank after the schedule
+                errors.append(f"loss_fn failed: {type(e).__name__}: {e}")
+                return output.sum() * 0.0, {}  # keep the schedule (and its p2p) in step
+            loss_sums.append(float(loss_sum.detach()))
+            stats.append(st)
+            return loss_sum * scale, {}
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._runner.run(self.model, mbs, loss_func, forward_only=False, device=self.device)
+        payload = None
+        if g.is_last_stage:
+            keys, err = self._agreed_stat_keys(stats, errors)
+            payload = {"error": err, "keys": keys}
+            if not err:
+                red = self.dp_sum([sum(loss_sums)] + [sum(s[k] for s in stats) for k in keys])
+                payload["sums"] = red
+        payload = share_from_last_stage(g, payload)
+        if payload["error"]:  # before stepping: a bad loss_fn changes nothing
+            raise ValueError(payload["error"])
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        ok, grad_norm, _ = self.optimizer.step()  # norm is computed even without clipping
+        self.scheduler.step(increment=1)
+        if ok:
+            self.version += 1
+        red = payload["sums"]
+        out = {"loss": red[0] / total_w, "grad_norm": float(grad_norm or 0.0), "lr": lr,
+               "n_tokens": n_tokens, "loss_weight": total_w, "n_mbs": n_mbs,
+               "update_successful": float(bool(ok))}
+        out.update(zip(payload["keys"], red[1:]))
+        return out
+
+    def _check_replica_agrees(self, mbs: list[MicroBatch], problem: str) -> str:
+        """All tp/pp ranks of a dp replica must hold the same micro-batch structure."""
+        mp = self.groups.pg_collection.mp
+        if mp is None or mp.size() == 1:
+            return problem
+        sig = -1 if problem else _mb_signature(mbs)
+        t = torch.tensor([sig, -sig], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mp)
+        if problem:
+            return problem
+        if int(t[0]) != sig or int(t[1]) != -sig:
+            return (f"train_batch: the tp/pp ranks of dp replica {self.groups.dp_rank} were "
+                    f"given different micro-batches (or one had bad input); every rank of a "
+                    f"replica must pass the same micro-batches")
+        return ""
+
+    def _agreed_stat_keys(self, stats: list[dict[str, float]], errors: list[str]
+                          ) -> tuple[list[str], str]:
+        """The stat keys, checked to be the same for every micro-batch on every dp rank.
+
+        Runs on the last stage (collective over its dp group); returns (keys, error).
+        """
+        keys = sorted(stats[0]) if stats else []
+        problem = errors[0] if errors else ""
+        if not problem and any(sorted(s) != keys for s in stats):
+            problem = f"loss_fn returned different stat keys across micro-batches: " \
+                      f"{[sorted(s) for s in stats]}"
+        elif not problem and any(k in _RESERVED for k in keys):
+            problem = f"loss_fn stat keys {[k for k in keys if k in _RESERVED]} clash with " \
+                      f"engine keys {_RESERVED}"
+        sig = -1 if problem else zlib.crc32("\0".join(keys).encode())
+        t = torch.tensor([sig, -sig], dtype=torch.int64)
+        if self.groups.strategy.dp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
+        if problem:
+            return keys, problem
+        if int(t[0]) != sig or int(t[1]) != -sig:
+            return keys, (f"loss_fn stat keys differ across dp ranks (this rank: {keys}) or "
+                          f"loss_fn failed on another dp rank")
+        return keys, ""
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def full_hf_state(self) -> Optional[dict[str, torch.Tensor]]:
+        """The whole model under HF names (CPU) on the writer (dp 0, tp 0, pp 0), None
+        elsewhere.  Collective over the model's ranks of dp replica 0."""
+        return gather_hf_state_any(self.module, self.groups, self.hf_config, self.arch,
+                                   critic=self.critic)
+
+    def full_hf_grads(self) -> Optional[dict[str, torch.Tensor]]:
+        """The last step's reduced gradients under HF names on the writer (dp == 1 only:
+        the distributed optimizer leaves each dp rank only its shard of the reduced
+        gradient).  For tests and debugging."""
+        if self.groups.strategy.dp != 1 or self.optimizer is None:
+            raise RuntimeError("full_hf_grads needs a trainable engine with dp == 1")
+        return gather_hf_state_any(self.module, self.groups, self.hf_config, self.arch,
+                                   critic=self.critic, tensor_of=lambda p: p.main_grad,
+                                   dtype=torch.float32)
+
     def save_hf(self, path: str, tokenizer_dir: Optional[str] = None) -> None:
-        """Save as an HF checkpoint. Collective over the model's ranks: every rank
-        calls it, dp rank 0 writes, and all return once the files exist."""
-        s = self.groups.strategy
-        if s.tp > 1 or s.pp > 1:
-            raise NotImplementedError("save_hf with tp > 1 or pp > 1 (gathering shards) "
-                                      "is not implemented yet")
-        if self.groups.dp_rank == 0:
-            state = gather_hf_state(self.module, self.hf_config, self.arch)
-            save_hf_checkpoint(path, state, self.hf_config, tokenizer_dir)
+        """Save ONE HF checkpoint from any layout. Collective over the model's ranks: every
+        rank calls it, the writer (dp 0, tp 0, pp 0) writes, all return once it exists.
+        A critic is saved as ``*ForTokenClassification`` with ``num_labels=1``."""
+        state = self.full_hf_state()
+        if state is not None:
+            cfg = self.hf_config
+            if self.critic:
+                from parallel.critic import critic_hf_config
+
+                cfg = critic_hf_config(cfg)
+            save_hf_checkpoint(path, state, cfg, tokenizer_dir)
         if len(self.groups.ranks) > 1:
             dist.barrier(group=self.groups.model_group)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters under HF names (CPU copies; tp = pp = 1)."""
-        return gather_hf_state(self.module, self.hf_config, self.arch)
+        """This rank's parameters under HF names (CPU copies; tp = 1: no gathering)."""
+        if self.groups.strategy.tp != 1:
+            raise RuntimeError("hf_state_dict is per rank and needs tp == 1; use full_hf_state")
+        return gather_hf_state(self.module, self.hf_config, self.arch, critic=self.critic)

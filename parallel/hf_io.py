@@ -15,11 +15,12 @@ the table:
   ``[gate_r; up_r]``, so :func:`tp_shard` splits each half separately.
 
 Loading validates every tensor (present, right shape) from the safetensors
-headers BEFORE copying anything, so a bad checkpoint never half-loads.
+headers BEFORE copying anything, so a bad checkpoint never half-loads, and reads
+only this rank's tp slices (:mod:`parallel.hf_layout`, which also gathers any
+layout back into one HF checkpoint).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -275,54 +276,33 @@ def _local_shape(e: ParamMapping, padded_vocab: int, tp_rank: int, tp_size: int)
 
 
 def load_hf_checkpoint(model: torch.nn.Module, path: str, hf_config: Any, arch: HFArch,
-                       tp_rank: int = 0, tp_size: int = 1) -> None:
+                       tp_rank: int = 0, tp_size: int = 1, critic: bool = False) -> None:
     """Copy an HF checkpoint into this rank's megatron model (in place, exact).
 
-    Raises :class:`CheckpointError` (one line, naming tensor and file) before
-    touching any parameter if a tensor is missing or has the wrong shape.
+    Reads only this rank's tp slices of this stage's tensors.  Raises
+    :class:`CheckpointError` (one line, naming tensor and file) before touching
+    any parameter if a tensor is missing or has the wrong shape.  See
+    :mod:`parallel.hf_layout` (and ``critic``: value-head checkpoints).
     """
-    from safetensors import safe_open
+    from parallel.hf_layout import execute_hf_load, plan_hf_load
 
-    table = param_table(hf_config, arch)
-    ng = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
-    local = local_param_table(model, table)
-    params = _named_params(model)
-    index = _weight_index(path)
-    shapes = _header_shapes({index[n] for e, _ in local for n in e.hf_names if n in index})
-    for e, pname in local:  # validate everything first
-        for n, want in zip(e.hf_names, e.hf_shapes):
-            if n not in index:
-                raise CheckpointError(f"tensor {n} missing from checkpoint {path} "
-                                      f"(needed for megatron {e.mcore_name})")
-            got = shapes.get((index[n], n))
-            if got is None:
-                raise CheckpointError(f"tensor {n} is listed in the index of {path} but "
-                                      f"missing from {index[n]}")
-            if got != want:
-                raise CheckpointError(f"tensor {n} in {index[n]} has shape {list(got)}, "
-                                      f"model expects {list(want)}")
-        local_shape = _local_shape(e, arch.padded_vocab_size, tp_rank, tp_size)
-        if local_shape != tuple(params[pname].shape):  # the model does not match its config
-            raise CheckpointError(f"megatron parameter {pname} has shape "
-                                  f"{list(params[pname].shape)}, the HF config implies "
-                                  f"{list(local_shape)}")
-    with contextlib.ExitStack() as stack, torch.no_grad():
-        files = {fn: stack.enter_context(safe_open(fn, "pt")) for fn in {index[n] for e, _ in local
-                                                                          for n in e.hf_names}}
-        for e, pname in local:
-            full = hf_to_mcore(e, [files[index[n]].get_tensor(n) for n in e.hf_names],
-                               arch.padded_vocab_size, ng)
-            p = params[pname]
-            p.data.copy_(tp_shard(e, full, tp_rank, tp_size).to(p.dtype))
+    plan = plan_hf_load(model, path, hf_config, arch, tp_rank, tp_size, critic)
+    execute_hf_load(model, plan, hf_config, arch, tp_rank, tp_size)
 
 
 # --------------------------------------------------------------------------- save
 
 
 def gather_hf_state(model: torch.nn.Module, hf_config: Any, arch: HFArch,
-                    dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+                    dtype: Optional[torch.dtype] = None, critic: bool = False
+                    ) -> dict[str, torch.Tensor]:
     """HF-named CPU tensors of this rank's (tp = 1) model part."""
-    table = param_table(hf_config, arch)
+    if critic:
+        from parallel.hf_layout import model_param_table
+
+        table = model_param_table(hf_config, arch, critic=True)
+    else:
+        table = param_table(hf_config, arch)
     ng = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
     params = _named_params(model)
     out: dict[str, torch.Tensor] = {}

@@ -33,10 +33,26 @@ def check_packed(input_ids: torch.Tensor, seqlens: list[int], what: str = "input
         raise ValueError(f"sum(seqlens)={sum(seqlens)} != {what}.numel()={input_ids.numel()}")
 
 
-def pad_packed(input_ids: torch.Tensor, seqlens: list[int], pad_id: int = 0) -> PaddedBatch:
-    """[T] packed tokens -> right-padded [B, max(seqlens)] batch."""
+def pad_packed(input_ids: torch.Tensor, seqlens: list[int], pad_id: int = 0, *,
+               seq_len: Optional[int] = None, batch: Optional[int] = None) -> PaddedBatch:
+    """[T] packed tokens -> right-padded [B, S] batch.
+
+    ``B``/``S`` default to ``len(seqlens)`` / ``max(seqlens)``.  Pipeline stages
+    exchange activations of ONE fixed shape per schedule, so the engine may ask
+    for a larger common ``[batch, seq_len]``: extra rows are all padding (their
+    outputs are dropped), extra columns are right padding.
+    """
     lens = torch.as_tensor(seqlens, dtype=torch.long)
     b, s = len(seqlens), int(lens.max())
+    if seq_len is not None:
+        if seq_len < s:
+            raise ValueError(f"pad_packed: seq_len={seq_len} < longest sequence {s}")
+        s = seq_len
+    if batch is not None:
+        if batch < b:
+            raise ValueError(f"pad_packed: batch={batch} < number of sequences {b}")
+        lens = torch.cat([lens, lens.new_zeros(batch - b)])
+        b = batch
     ar = torch.arange(s).unsqueeze(0)
     valid = ar < lens.unsqueeze(1)
     ids = torch.full((b, s), pad_id, dtype=input_ids.dtype, device=input_ids.device)

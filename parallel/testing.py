@@ -166,11 +166,13 @@ _TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_l
 
 
 def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
-                 max_shard_size: Optional[str] = None, **overrides: Any):
+                 max_shard_size: Optional[str] = None, critic: bool = False, **overrides: Any):
     """Save a random tiny HF model (safetensors) to ``path``; return (config, model).
 
     Norm weights and biases are perturbed away from their constant init so that a
     mapping mistake (e.g. swapped norms) cannot hide behind identical values.
+    ``critic=True`` saves a ``*ForTokenClassification`` with ``num_labels=1``
+    (realflow's critic format).
     """
     import torch
     import transformers as tf
@@ -179,6 +181,9 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
                "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}
     cfg_cls, model_cls = classes[family]
+    if critic:
+        model_cls = getattr(tf, model_cls.__name__.replace("ForCausalLM", "ForTokenClassification"))
+        overrides.setdefault("num_labels", 1)
     kw = dict(_TINY)
     kw.update(overrides)
     config = cfg_cls(**kw)

@@ -16,7 +16,11 @@ from parallel.testing import run_cases
 MODULE = __name__.rsplit(".", 1)[-1]
 WORLD = 2
 CASES = ["case_gptmodel_forward", "case_rng_seeding", "case_ddp_grad_average",
-         "case_distributed_optimizer_step", "case_grad_clipping", "case_lr_scheduler"]
+         "case_distributed_optimizer_step", "case_grad_clipping", "case_lr_scheduler",
+         "case_pipeline_p2p", "case_vocab_parallel_logprobs"]
+# Covered end to end in tests/test_parallel_layouts.py (8 ranks, every layout vs
+# transformers): the 1F1B pipeline schedule, sequence parallelism (tp > 1), tied
+# embeddings across pipeline stages, distributed HF save/load.
 
 
 # --------------------------------------------------------------------------- helpers
@@ -234,6 +238,67 @@ def case_lr_scheduler(ctx):
             assert abs(value - want) < 1e-12, (style, k, value, want)
     with pytest.raises(ValueError, match="lr_scheduler_type"):
         OptimizerConfig(lr_scheduler_type="exp")
+
+
+def case_pipeline_p2p(ctx):
+    """megatron's P2PCommunicator (batched isend/irecv on gloo, CPU buffers): activations
+    forward, gradients backward, between the two stages of a pp = 2 group."""
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    from parallel.groups import ParallelStrategy, build_model_groups
+    from parallel.model_config import transformer_config_from_hf
+
+    _setup(ctx)
+    g = build_model_groups([1, 0], ParallelStrategy(pp=2))  # rank 1 is the first stage
+    cfg = transformer_config_from_hf(_tiny_config(), pipeline_model_parallel_size=2)
+    comm = P2PCommunicator(pp_group=g.pp_group, config=cfg)
+    shape = (3, 2, 32)
+    x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    if g.is_first_stage:
+        comm.send_forward(x, is_last_stage=False)
+        grad = comm.recv_backward(shape, is_last_stage=False)
+        assert grad.device.type == "cpu" and torch.equal(grad, -2 * x)
+    else:
+        got = comm.recv_forward(shape, is_first_stage=False)
+        assert got.device.type == "cpu" and got.requires_grad and torch.equal(got, x)
+        comm.send_backward(-2 * got.detach(), is_first_stage=False)
+
+
+def case_vocab_parallel_logprobs(ctx):
+    """Distributed log-softmax over a tp = 2 group == full-vocab torch, values AND
+    gradients, with megatron's padded vocab columns masked out."""
+    from parallel.groups import ParallelStrategy, build_model_groups
+    from parallel.outputs import vocab_parallel_argmax, vocab_parallel_logprobs
+
+    _setup(ctx)
+    g = build_model_groups([0, 1], ParallelStrategy(tp=2))
+    vocab, padded, n = 100, 128, 7  # columns 100..127 are padding (rank 1's tail)
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(n, padded, generator=gen) * 3
+    full[:, vocab:] = 50.0  # padding must not leak into the softmax
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    targets[0] = 70  # a target in rank 1's shard
+    w1, w2 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+
+    ref = full[:, :vocab].clone().requires_grad_(True)
+    logp = torch.log_softmax(ref / 0.7, -1)
+    ref_lp = logp.gather(-1, targets[:, None])[:, 0]
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    (w1 * ref_lp + w2 * ref_ent).sum().backward()
+
+    half = padded // 2
+    shard = full[:, ctx.rank * half:(ctx.rank + 1) * half].clone().requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs(shard, targets, g.tp_group, ctx.rank * half, vocab,
+                                      temperature=0.7, entropy=True)
+    (w1 * lp + w2 * ent).sum().backward()  # the replicated loss, as in training
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    want_grad = torch.zeros(n, padded)
+    want_grad[:, :vocab] = ref.grad
+    torch.testing.assert_close(shard.grad, want_grad[:, ctx.rank * half:(ctx.rank + 1) * half],
+                               atol=1e-6, rtol=0)
+    assert torch.equal(vocab_parallel_argmax(shard.detach(), g.tp_group, ctx.rank * half, vocab),
+                       full[:, :vocab].argmax(-1))
 
 
 # --------------------------------------------------------------------------- tests

@@ -1,0 +1,146 @@
+"""Packed micro-batches through megatron's forward(-backward) schedules, any (tp, pp).
+
+Pipeline stages exchange activations point to point with ONE fixed shape per
+schedule (megatron's ``tensor_shape = (seq_length, micro_batch_size, hidden)``),
+so with pp > 1 every micro-batch is right-padded to the common ``[B, S]`` of the
+step: ``S`` = the longest sequence, ``B`` = the most sequences in a micro-batch.
+With pp == 1 each micro-batch keeps its own ``[b, s]`` (no p2p, less compute).
+Under sequence parallelism (tp > 1) ``S`` is rounded up to a multiple of tp,
+since activations between tp regions are split along the sequence.
+
+Every rank of a dp replica (all its tp and pp ranks) must pass the SAME
+micro-batches: the first stage embeds the tokens, the last one computes the
+outputs/loss, the middle ones only need the shapes.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from parallel.groups import ModelGroups
+from parallel.packing import PaddedBatch, check_packed, pad_packed, split_by_token_budget
+
+__all__ = ["MicroBatch", "split_packed", "next_token_targets", "ScheduleRunner",
+           "share_from_last_stage"]
+
+# callback(mb, valid, output, non_loss_data) on the last stage
+OutputCallback = Callable[["MicroBatch", torch.Tensor, torch.Tensor], Any]
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [T] packed
+    seqlens: list[int]
+    extra: Any = None
+
+
+def split_packed(input_ids: torch.Tensor, seqlens: list[int],
+                 max_tokens: Optional[int]) -> list[MicroBatch]:
+    """Checked packed batch -> contiguous micro-batches under a token budget."""
+    seqlens = [int(n) for n in seqlens]
+    check_packed(input_ids, seqlens)
+    offs = [0]
+    for n in seqlens:
+        offs.append(offs[-1] + n)
+    return [MicroBatch(input_ids[offs[a]:offs[b]], seqlens[a:b])
+            for a, b in split_by_token_budget(seqlens, max_tokens)]
+
+
+def next_token_targets(ids: torch.Tensor, seqlens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``targets[t] = ids[t + 1]`` within each sequence; ``valid`` False (target 0) at ends."""
+    targets = torch.roll(ids, -1)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[torch.tensor(seqlens, dtype=torch.long).cumsum(0) - 1] = False
+    return torch.where(valid, targets, torch.zeros_like(targets)), valid
+
+
+def share_from_last_stage(groups: ModelGroups, payload: Optional[dict]) -> dict:
+    """The last stage's JSON-able ``payload``, on every stage of this rank's pipeline.
+
+    Broadcast over the pp group as UTF-8 JSON bytes (length first): no pickle.
+    """
+    if groups.strategy.pp == 1:
+        assert payload is not None
+        return payload
+    src = groups.rank_at(dp=groups.dp_rank, tp=groups.tp_rank, pp=groups.strategy.pp - 1)
+    data = json.dumps(payload).encode() if groups.is_last_stage else b""
+    n = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(n, src=src, group=groups.pp_group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+        torch.empty(int(n), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=groups.pp_group)
+    return json.loads(bytes(buf.tolist()).decode()) if not groups.is_last_stage else payload
+
+
+class ScheduleRunner:
+    """Runs micro-batches through megatron's schedule for one model's groups."""
+
+    def __init__(self, groups: ModelGroups, config: Any) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.groups = groups
+        self.config = config
+        pp = groups.strategy.pp
+        self._fwd_bwd = get_forward_backward_func(pp_size=pp, vp_size=None)
+        self._p2p = None
+        if pp > 1:
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+            self._p2p = P2PCommunicator(pp_group=groups.pp_group, config=config)
+
+    def _pad(self, mbs: list[MicroBatch], device: torch.device) -> tuple[list[PaddedBatch], int, int]:
+        tp = self.groups.strategy.tp
+        multiple = tp if self.config.sequence_parallel else 1
+
+        def round_up(n: int) -> int:
+            return -(-n // multiple) * multiple
+
+        common = self.groups.strategy.pp > 1
+        s_all = round_up(max(max(mb.seqlens) for mb in mbs))
+        b_all = max(len(mb.seqlens) for mb in mbs)
+        padded = []
+        for mb in mbs:
+            s = s_all if common else round_up(max(mb.seqlens))
+            b = b_all if common else len(mb.seqlens)
+            padded.append(pad_packed(mb.input_ids.to(device), mb.seqlens, seq_len=s, batch=b))
+        return padded, s_all, b_all
+
+    def run(self, model: torch.nn.Module, mbs: list[MicroBatch], on_output: OutputCallback,
+            forward_only: bool, device: torch.device) -> list[Any]:
+        """Schedule ``mbs``; ``on_output(mb, valid, output, non_loss_data)`` runs on the
+        last stage per micro-batch: forward-only -> its return values are collected
+        (returned in order on the last stage, ``[]`` elsewhere); training -> it must
+        return ``(loss, {})`` and the schedule back-propagates ``loss / len(mbs)``."""
+        padded, seq, mbsz = self._pad(mbs, device)
+        items = iter(list(zip(mbs, padded)))
+
+        def step(data_iter: Any, model_: torch.nn.Module):
+            mb, pb = next(data_iter)
+            out = model_(pb.input_ids, pb.position_ids, None)  # causal mask built by megatron
+            return out, partial(self._call, on_output, mb, pb.valid)
+
+        kw: dict[str, Any] = {}
+        if self._p2p is not None:
+            kw["p2p_communicator"] = self._p2p
+        return self._fwd_bwd(
+            forward_step_func=step,
+            data_iterator=items,
+            model=[model],
+            num_microbatches=len(mbs),
+            seq_length=seq,
+            micro_batch_size=mbsz,
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+            pg_collection=self.groups.pg_collection,
+            **kw,
+        )
+
+    @staticmethod
+    def _call(on_output: OutputCallback, mb: MicroBatch, valid: torch.Tensor,
+              output: torch.Tensor, non_loss_data: bool = False) -> Any:
+        return on_output(mb, valid, output)

@@ -43,6 +43,7 @@ setup(
     entry_points={
         "console_scripts": [
             "realflow-sft=realflow.apps.main_sft:main",
+            "realflow-sync-ppo=realflow.apps.main_sync_ppo:main",
             "realflow=realflow.apps.main:main",
         ]
     },

@@ -289,9 +289,9 @@ def test_data_source_keys_and_shards_for_math_formats(tmp_path, tok, caplog):
     p = _write(tmp_path / "g.jsonl", [{"question": f"{i}+1=", "answer": f"work\n#### {i + 1}"} for i in range(7)]
                + ["{bad"])
     for fmt in ("gsm8k", "prompt_answer"):
-        assert dataset_keys(DatasetSpec(fmt, str(p))) == ("packed_prompts",)
-    assert dataset_keys(DatasetSpec("boxed", str(p))) == ("packed_prompts",)
-    assert dataset_keys(DatasetSpec("sft", str(p))) == ("packed_input_ids", "prompt_mask")
+        assert dataset_keys(DatasetSpec(fmt, str(p))) == ("packed_prompts", "answer")
+    assert dataset_keys(DatasetSpec("boxed", str(p))) == ("packed_prompts", "answer")
+    assert dataset_keys(DatasetSpec("sft", str(p))) == ("packed_input_ids", "prompt_mask", "answer")
     spec = DatasetSpec("gsm8k", str(p), {"max_prompt_len": 64, "skip_bad_rows": True})
     with caplog.at_level(logging.INFO, logger="realflow.api.data_source"):
         shards = [load_dataset_shard(spec, tok, r, 2) for r in range(2)]
@@ -327,8 +327,8 @@ def test_user_format_keys_come_from_the_parser_annotation(tmp_path):
     for name, fn in [("test_qa2", parse_qa), ("test_pair", parse_pair), ("test_untyped", parse_untyped)]:
         DATASET_FORMATS.register(name, fn)
     try:
-        assert dataset_keys(DatasetSpec("test_qa2", "x")) == ("packed_prompts",)
-        assert dataset_keys(DatasetSpec("test_pair", "x")) == ("packed_input_ids", "prompt_mask")
+        assert dataset_keys(DatasetSpec("test_qa2", "x")) == ("packed_prompts", "answer")
+        assert dataset_keys(DatasetSpec("test_pair", "x")) == ("packed_input_ids", "prompt_mask", "answer")
         with pytest.raises(ValueError, match="must be annotated"):
             dataset_keys(DatasetSpec("test_untyped", "x"))
     finally:

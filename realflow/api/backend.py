@@ -63,3 +63,24 @@ def register_backend(name: str):
     """Class decorator: ``@register_backend("megatron") class MegatronBackend: ...``."""
 
     return model_backends.register(name)
+
+
+@register_backend("none")
+class NoModelBackend:
+    """A role without a model (e.g. a rule-based reward): no process groups, no engine.
+
+    Its MFCs still get a placement (where their inputs are staged and their code runs);
+    the interface receives ``model.module is None`` and uses only the tokenizer.
+    """
+
+    def build_groups(self, ranks: list[int], strategy: ParallelStrategy) -> None:
+        return None
+
+    def build_engine(self, spec: ModelSpec, groups: Any, seed: int, *, load_weights: bool = True) -> None:
+        return None
+
+    def check_layout(self, spec: ModelSpec, strategy: ParallelStrategy, trained: bool,
+                     n_workers_per_host: int) -> Optional[str]:
+        if trained:
+            raise LayoutError(f"role {spec.role!r} has no model (backend 'none') and cannot be trained")
+        return None

@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _SFT_KEYS = ("packed_input_ids", "prompt_mask")
 _PROMPT_KEYS = ("packed_prompts",)
+_METADATA_KEYS = ("answer",)
 _BUILTIN_KIND = {"sft": "sft", "prompt_answer": "prompt", "gsm8k": "prompt", "boxed": "prompt"}
 DATASET_ARGS = ("max_prompt_len", "max_seq_len", "seed", "chat_template", "system_prompt",
                 "prompt_template", "skip_bad_rows")
@@ -55,7 +56,8 @@ def _kind(fmt: str) -> str | None:
 
 
 def dataset_keys(spec: DatasetSpec) -> tuple[str, ...]:
-    """The tensor keys every sample of ``spec`` carries (the graph's data set keys)."""
+    """The keys every sample of ``spec`` carries (the graph's data set keys): tensor keys,
+    plus the metadata key ``answer`` (the reference answer a rule-based reward reads)."""
     kind = _kind(spec.format)
     if kind is None:
         known = sorted(set(_BUILTIN_KIND) | set(DATASET_FORMATS.names()))
@@ -65,7 +67,7 @@ def dataset_keys(spec: DatasetSpec) -> tuple[str, ...]:
             + f" (known: {known}; a user format's parser must be annotated "
             "'-> PromptAnswerRow' or '-> SFTRow')"
         )
-    return _SFT_KEYS if kind == "sft" else _PROMPT_KEYS
+    return (_SFT_KEYS if kind == "sft" else _PROMPT_KEYS) + _METADATA_KEYS
 
 
 def _parse_args(spec: DatasetSpec) -> dict:

@@ -151,6 +151,19 @@ def _follow(sched, view: "ConsoleView", setup) -> int:
     return 0 if view.follower.summary is not None else 1
 
 
+_SHOWN = ("/loss", "/lr", "/grad_norm", "/reward", "/accuracy")
+
+
+def progress_fields(stats: dict) -> dict[str, str]:
+    """The live progress line: losses, rewards and learning rates, then seconds per MFC."""
+    shown = {k.replace("_train/", "/").replace("/", ":", 1) if k.count("/") else k: f"{v:.3g}"
+             for k, v in stats.items() if k.endswith(_SHOWN)}
+    times = {k[5:]: v for k, v in stats.items() if k.startswith("time/") and k not in ("time/step", "time/fetch")}
+    if times:
+        shown["s"] = ",".join(f"{k.replace('actor_', '').replace('_inf', '')}={v:.2f}" for k, v in times.items())
+    return shown
+
+
 class ConsoleView:
     """A tqdm bar for steps, plus one line per master event (evaluations, checkpoints)."""
 
@@ -168,9 +181,7 @@ class ConsoleView:
         if rec["kind"] == "start":
             self.bar = tqdm(total=rec["total"], desc="train", unit="step", dynamic_ncols=True)
         elif rec["kind"] == "step" and self.bar is not None:
-            stats = rec["stats"]
-            shown = {k.split("/", 1)[-1]: v for k, v in stats.items() if k.endswith(("/loss", "/lr", "/grad_norm"))}
-            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+            self.bar.set_postfix(progress_fields(rec["stats"]), refresh=False)
             self.bar.update(rec["step"] - self.bar.n)
         elif rec["kind"] == "event":
             (self.bar.write if self.bar is not None else print)(rec["message"])

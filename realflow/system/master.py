@@ -22,6 +22,7 @@ from realflow.base import names
 from realflow.base.logging import get_logger
 from realflow.base.stats import StatsLogger
 from realflow.base.trace import Tracer, merge_traces
+from realflow.system.model_store import ModelStore
 from realflow.system.placement import assign_to_dp_ranks
 from realflow.system.plan import ExecutionPlan
 from realflow.system.progress import ProgressReporter
@@ -48,6 +49,9 @@ class Master:
         self.batch_size = _batch_size(setup.mfcs)
         self.step = 0
         self.epoch = 0
+        # weight version per role = number of its train steps so far (sent with hooks that copy weights)
+        self.role_version: dict[str, int] = defaultdict(int)
+        self._out_seqlens: dict[str, dict[str, list[int]]] = defaultdict(dict)  # key -> sample -> seqlens
 
     # ---- request helpers ------------------------------------------------------
     def _request(self, worker: int, handler: str, payload: dict, timeout: float) -> int:
@@ -152,7 +156,7 @@ class Master:
                         self._all("drop", {"ids": b.ids[need:]}, 60.0, workers=[i])
                         b = b.select_ids(b.ids[:need])
                     for sid in b.ids:
-                        for key in b.seqlens:
+                        for key in (*b.seqlens, *b.metadata):
                             self.holders[(sid, key)].add(i)
                     parts.append(b)
                     need -= len(b)
@@ -182,8 +186,10 @@ class Master:
             for rid, handle in self._wait(list(stage_reqs), timeout=120.0).items():
                 handles[stage_reqs[rid]].append(handle)
         run_reqs: dict[str, tuple[MFCDef, int]] = {}
+        hook_reqs: dict[int, tuple[str, str]] = {}
         for mfc in mfcs:
             layout = self.plan.placements[mfc.name].layout
+            hook_reqs.update(self._send_hooks(mfc, "pre"))
             for dp_rank, ids in assignments[mfc.name].items():
                 for w in layout.dp_members(dp_rank):
                     payload = {"mfc": mfc.name, "ids": ids, "receive": handles.get((mfc.name, w), [])}
@@ -192,7 +198,13 @@ class Master:
                     for sid in ids:
                         for key in mfc.input_keys:
                             self.holders[(sid, key)].add(w)
-        replies = self._wait(list(run_reqs), timeout=self.setup.mfc_timeout_s)
+            if mfc.interface_type == ModelInterfaceType.TRAIN_STEP:
+                self.role_version[mfc.model_name] += 1
+            hook_reqs.update(self._send_hooks(mfc, "post"))
+        replies = self._wait(list(run_reqs) + list(hook_reqs), timeout=self.setup.mfc_timeout_s)
+        hook_time: dict[tuple[str, str], float] = defaultdict(float)
+        for rid, where in hook_reqs.items():  # slowest participant of each MFC's pre / post hooks
+            hook_time[where] = max(hook_time[where], float(replies.pop(rid)["seconds"]))
         results: dict[str, dict[str, float]] = {}
         per_mfc: dict[str, list[dict]] = defaultdict(list)
         for rid, reply in replies.items():
@@ -201,8 +213,16 @@ class Master:
                 self._record_outputs(mfc, w, reply["outputs"])
             if reply.get("stats"):
                 per_mfc[mfc.name].append(reply["stats"])
+        for key, per_sample in self._out_seqlens.items():  # the batch's metadata learns the new keys
+            if all(sid in per_sample for sid in batch.ids):
+                batch.seqlens[key] = [per_sample[sid] for sid in batch.ids]
+                batch.data[key] = None
+        self._out_seqlens.clear()
         for mfc in mfcs:
             results[mfc.name] = _mean_stats(per_mfc.get(mfc.name, []))
+            for phase in ("pre", "post"):
+                if (mfc.name, phase) in hook_time:
+                    results[mfc.name][f"hooks_{phase}_s"] = hook_time[(mfc.name, phase)]
             if mfc.interface_type != ModelInterfaceType.TRAIN_STEP:
                 for key in mfc.output_keys:
                     missing = [sid for sid in batch.ids if not self.holders.get((sid, key))]
@@ -212,6 +232,22 @@ class Master:
                             f"(e.g. {missing[0]})"
                         )
         return results
+
+    def _send_hooks(self, mfc: MFCDef, phase: str) -> dict[int, tuple[str, str]]:
+        """Queue the MFC's pre or post hooks on the workers that take part in each.
+
+        Requests are sent in one global order and every worker serves its requests in
+        arrival order, so the collectives inside hooks line up with each other and with
+        the MFCs around them; nothing waits here.
+        """
+        hooks = (self.plan.pre_hooks if phase == "pre" else self.plan.post_hooks).get(mfc.name, ())
+        rids = {}
+        for i, h in enumerate(hooks):
+            src_role = getattr(h, "src_role", getattr(h, "role", mfc.model_name))
+            payload = {"mfc": mfc.name, "phase": phase, "i": i, "version": self.role_version[src_role]}
+            for w in ModelStore.participants(h):
+                rids[self._request(w, "hook", payload, self.setup.mfc_timeout_s)] = (mfc.name, phase)
+        return rids
 
     def _record_outputs(self, mfc: MFCDef, worker: int, wire: Any) -> None:
         """Note that ``worker`` now holds the output keys it reported (metadata of its reply).
@@ -230,6 +266,8 @@ class Master:
         for sid in ids:
             for key in keys:
                 holders[(sid, key)].add(worker)
+        for key, lens in wire["seqlens"].items():  # sizes of new keys, for token balancing downstream
+            self._out_seqlens[key].update(zip(ids, lens))
 
     def _missing(self, ids: list[str], keys, dest: int) -> dict[tuple[int, tuple[str, ...]], list[str]]:
         """Group the (sample, key) pairs ``dest`` lacks by the worker that will send them."""

@@ -7,7 +7,6 @@ one at a time, in arrival order, and the master sends them in one global order.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import time
@@ -16,11 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from realflow.api.backend import model_backends
 from realflow.api.batch import SequenceBatch
 from realflow.api.data_source import load_dataset_shard
 from realflow.api.experiment import ExperimentSetup
-from realflow.api.interface import Model, make_interface
+from realflow.api.interface import make_interface
 from realflow.api.mfc import ModelInterfaceType
 from realflow.base import names
 from realflow.base.logging import get_logger
@@ -30,6 +28,7 @@ from realflow.base.trace import Tracer
 from realflow.comm import shm
 from realflow.system.data_manager import DataManager
 from realflow.system.data_stream import ShardStream
+from realflow.system.model_store import ModelStore
 from realflow.system.plan import ExecutionPlan
 
 logger = get_logger("model_worker")
@@ -43,7 +42,7 @@ class ModelWorker:
         self.name = names.model_worker_name(index)
         self.resolver = resolver
         self.data = DataManager(self.name, shm.segment_prefix(setup.experiment_name, setup.trial_name))
-        self.models: dict[str, Model] = {}
+        self.store = ModelStore(setup, plan, index)
         self.interfaces: dict[str, Any] = {}
         self.train_stream: ShardStream | None = None
         self.eval_batch: SequenceBatch | None = None
@@ -58,6 +57,7 @@ class ModelWorker:
             "fetch": self.fetch,
             "stage": self.stage,
             "run_mfc": self.run_mfc,
+            "hook": self.hook,
             "evaluate": self.evaluate,
             "save": self.save,
             "drop": self.drop,
@@ -78,25 +78,14 @@ class ModelWorker:
         t0 = time.perf_counter()
         self._init_distributed()
         set_seed(self.setup.seed, self.index)
-        groups: dict[str, Any] = {}
-        for role, layout in self.plan.group_order:
-            backend = model_backends.get(self.setup.models[role].backend)()
-            groups[role] = (backend, backend.build_groups(list(layout.workers), layout.strategy))
-        for role, (backend, grp) in groups.items():
-            if self.index not in self.plan.role_home[role].workers:
-                continue
-            spec = self.setup.models[role]
-            if spec.optimizer is not None:
-                spec = dataclasses.replace(spec, total_train_steps=int(payload["total_train_steps"]))
-            engine = backend.build_engine(spec, grp, self.setup.seed)
-            tokenizer = _load_tokenizer(spec.tokenizer_path or spec.path)
-            self.models[role] = Model(name=role, module=engine, tokenizer=tokenizer)
+        self.store.build(int(payload["total_train_steps"]), _load_tokenizer)
         for mfc in self.setup.mfcs:
             self.interfaces[mfc.name] = make_interface(mfc.interface_impl, **mfc.interface_args)
         if self.setup.eval is not None:
             ev = self.setup.eval
             self.interfaces["__eval__"] = make_interface(ev.interface_impl, **ev.interface_args)
-        logger.info(f"{self.name} ready in {time.perf_counter() - t0:.1f}s: models={sorted(self.models)}")
+        held = sorted(f"{r}@{lay.short()}" for r, lay in self.store.models)
+        logger.info(f"{self.name} ready in {time.perf_counter() - t0:.1f}s: models={held}")
         return {"worker": self.name}
 
     def fetch(self, payload: dict) -> dict:
@@ -119,9 +108,9 @@ class ModelWorker:
                 self.data.receive(handle)
         batch = self.data.get(payload["ids"], mfc.input_keys)
         batch = batch.remap_keys(mfc.input_key_remap) if mfc.input_key_remap else batch
-        model = self.models[mfc.model_name]
-        iface = self.interfaces[mfc.name]
         layout = self.plan.placements[mfc.name].layout
+        model = self.store.model(mfc.model_name, layout)
+        iface = self.interfaces[mfc.name]
         dp_rank = layout.coords(self.index)[0]
         is_head = layout.dp_head(dp_rank) == self.index
         with self.tracer.span(mfc.name, type=mfc.interface_type.name, n=len(batch)):
@@ -131,28 +120,43 @@ class ModelWorker:
                 return {"stats": stats if is_head else None, "outputs": None}
             fn = iface.generate if mfc.interface_type == ModelInterfaceType.GENERATE else iface.inference
             out = fn(model, batch, mfc.mb_spec)
+        if out is None:  # tensor/pipeline ranks other than the dp head may return nothing
+            if is_head:
+                raise RuntimeError(f"MFC '{mfc.name}': interface '{mfc.interface_impl}' returned no outputs "
+                                   f"on the data-parallel head (worker {self.index})")
+            return {"stats": None, "outputs": None}
         if mfc.output_key_remap:
             out = out.remap_keys(mfc.output_key_remap)
-        out = out.select_keys([k for k in mfc.output_keys if k in out.seqlens])
+        out = out.select_keys([k for k in mfc.output_keys if k in out.seqlens or k in out.metadata])
         self.data.put(out)
         return {"stats": None, "outputs": out.meta().to_wire() if is_head else None}
 
+    def hook(self, payload: dict) -> dict:
+        """Run the ``i``-th pre/post hook of an MFC (see :mod:`realflow.system.model_store`)."""
+        hooks = (self.plan.pre_hooks if payload["phase"] == "pre" else self.plan.post_hooks)[payload["mfc"]]
+        h = hooks[int(payload["i"])]
+        with self.tracer.span(f"hook:{payload['phase']}:{payload['mfc']}", hook=str(h)):
+            return self.store.run_hook(h, int(payload.get("version", 0)))
+
     def evaluate(self, payload: dict) -> dict:
         ev = self.setup.eval
-        if ev is None or ev.role not in self.models:
+        model = None if ev is None else self.store.home_model(ev.role)
+        if model is None:
             return {"stats": None}
+        self.store.ensure_resident(ev.role, self.plan.role_home[ev.role])
         with self.tracer.span("evaluate"):
-            stats = self.interfaces["__eval__"].evaluate(self.models[ev.role], self.eval_batch)
+            stats = self.interfaces["__eval__"].evaluate(model, self.eval_batch)
         return {"stats": stats}
 
     def save(self, payload: dict) -> dict:
         role = payload["role"]
-        if role not in self.models:
+        model = self.store.home_model(role)
+        if model is None:
             return {"path": None}
         path = payload["path"]
         with self.tracer.span(f"save:{role}"):
             iface = next(self.interfaces[m.name] for m in self.setup.mfcs if m.model_name == role)
-            iface.save(self.models[role], path)
+            iface.save(model, path)
         return {"path": path}
 
     def drop(self, payload: dict) -> dict:

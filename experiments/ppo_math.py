@@ -1,0 +1,171 @@
+"""PPO and GRPO on math prompts: ``python -m realflow.apps.main_sync_ppo``.
+
+Default: start from the SFT default's checkpoint (running the SFT default first if it
+is absent), sample ``n_samples`` responses per prompt of the same arithmetic task,
+score them with a rule-based verifier, and train the actor with GRPO-style group
+advantages (``ppo-math`` adds a critic and GAE). Training and generation use different
+layouts (the actor trains tensor-parallel over both workers and generates data-parallel),
+so parameters are reallocated before every generation.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from experiments.sft import _asdict
+from graphs.ppo import ACTOR, CRITIC, REF, REWARD, PPOGraphConfig
+from realflow.api.batch import MicroBatchSpec
+from realflow.api.dfg import graph_registry
+from realflow.api.experiment import (BaseExperimentConfig, DatasetSpec, EvalSpec, ExperimentSetup, ModelSpec,
+                                     OptimizerConfig, register_experiment)
+
+SFT_TIMEOUT_S = 1800
+
+
+@dataclass
+class RLModelConfig:
+    path: str = field(default="", metadata={"help": "actor HF checkpoint ('' = the SFT default's, trained if absent)"})
+    critic_path: str = field(default="", metadata={"help": "critic init ('' = the actor's trunk, fresh value head)"})
+    tokenizer_path: str = field(default="", metadata={"help": "tokenizer dir ('' = the actor's)"})
+
+
+@dataclass
+class RLDataConfig:
+    train_path: str = field(default="", metadata={"help": "jsonl prompts + answers ('' = the SFT default's arithmetic)"})
+    test_path: str = field(default="", metadata={"help": "held-out jsonl ('' = the SFT default's test set)"})
+    format: str = field(default="prompt_answer", metadata={"help": "prompt_answer | gsm8k | boxed | a registered format"})
+    max_prompt_len: int = field(default=64, metadata={"help": "drop prompts longer than this (tokens)"})
+
+
+@dataclass
+class PPOHyperConfig:
+    n_samples: int = field(default=4, metadata={"help": "responses per prompt"})
+    max_new_tokens: int = field(default=16, metadata={"help": "response length cap"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch"})
+    n_minibatches: int = field(default=2, metadata={"help": "optimizer steps per pass"})
+    eps_clip: float = field(default=0.2, metadata={"help": "PPO ratio clip"})
+    dual_clip: Optional[float] = field(default=None, metadata={"help": "dual-clip constant c (None = off)"})
+    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus"})
+    kl_coef: float = field(default=0.0, metadata={"help": "KL penalty against the reference model (0 = no ref)"})
+    ref_ema_eta: Optional[float] = field(default=None, metadata={"help": "ref <- eta*actor + (1-eta)*ref per step"})
+    estimator: str = field(default="grpo", metadata={"help": "gae | grpo | rloo | reinforce++"})
+    gamma: float = field(default=1.0, metadata={"help": "discount"})
+    lam: float = field(default=1.0, metadata={"help": "GAE lambda"})
+    adv_norm: str = field(default="batch", metadata={"help": "none | batch | group"})
+    mask_truncated: bool = field(default=False, metadata={"help": "no loss on responses cut by max_new_tokens"})
+    value_eps_clip: float = field(default=0.2, metadata={"help": "critic value clip"})
+
+
+class _RLBase(BaseExperimentConfig):
+    """Shared by ppo-math and grpo-math (fields are declared on the dataclasses below)."""
+
+    _graph = "grpo"
+
+    def _sft_dir(self) -> str:
+        return os.path.abspath(os.path.join(self.fileroot, "sft", "trial0"))
+
+    def _paths(self) -> tuple[str, str, str, str]:
+        """(actor checkpoint, tokenizer, train jsonl, test jsonl)."""
+        actor = self.model.path or os.path.join(self._sft_dir(), "checkpoints", "default", "final")
+        tok = self.model.tokenizer_path or actor
+        data = os.path.abspath(os.path.join(self.fileroot, "data", "arith-d2-s0"))
+        return (actor, tok, self.dataset.train_path or os.path.join(data, "train.jsonl"),
+                self.dataset.test_path or os.path.join(data, "test.jsonl"))
+
+    def prepare(self) -> None:
+        actor = self._paths()[0]
+        if self.model.path or os.path.isfile(os.path.join(actor, "config.json")):
+            return
+        print(f"no SFT checkpoint at {actor}: running the SFT default first (python -m realflow.apps.main_sft)",
+              flush=True)
+        cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={self.fileroot}",
+               f"n_workers={self.n_workers}"]
+        try:
+            res = subprocess.run(cmd, timeout=SFT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the SFT run producing the initial checkpoint took over {SFT_TIMEOUT_S}s") from None
+        if res.returncode != 0 or not os.path.isfile(os.path.join(actor, "config.json")):
+            raise RuntimeError(f"the SFT run producing {actor} failed (exit {res.returncode}); see its output above")
+
+    def setup(self) -> ExperimentSetup:
+        actor, tok, train, test = self._paths()
+        h = self.ppo
+        adv = {"estimator": h.estimator, "gamma": h.gamma, "lam": h.lam, "kl_coef": h.kl_coef,
+               "adv_norm": h.adv_norm, "mask_truncated": h.mask_truncated}
+        use_critic = self._graph == "ppo"
+        gcfg = PPOGraphConfig(
+            batch_size=self.batch_size, n_samples=h.n_samples, use_critic=use_critic, use_ref=h.kl_coef > 0,
+            ref_ema_eta=h.ref_ema_eta,
+            gen_mb=MicroBatchSpec(), inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
+            train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
+            actor_args={"max_new_tokens": h.max_new_tokens, "temperature": h.temperature, "seed": self.seed,
+                        "ppo_epochs": h.ppo_epochs, "n_minibatches": h.n_minibatches, "eps_clip": h.eps_clip,
+                        "dual_clip": h.dual_clip, "entropy_coef": h.entropy_coef, "adv": adv,
+                        "eval_max_new_tokens": h.max_new_tokens},
+            critic_args={"ppo_epochs": h.ppo_epochs, "n_minibatches": h.n_minibatches,
+                         "value_eps_clip": h.value_eps_clip, "seed": self.seed, "adv": adv},
+            reward_args={"reward": self.reward},
+        )
+        mfcs = graph_registry.get(self._graph)(gcfg)
+        models = {
+            ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer),
+            REWARD: ModelSpec(role=REWARD, path=tok, tokenizer_path=tok, backend="none"),
+        }
+        if gcfg.use_ref:
+            models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok)
+        if use_critic:
+            models[CRITIC] = ModelSpec(role=CRITIC, path=self.model.critic_path or actor, tokenizer_path=tok,
+                                       optimizer=self.critic_optimizer, backend_args={"critic": True})
+        data_args: dict[str, Any] = {"max_prompt_len": self.dataset.max_prompt_len}
+        return ExperimentSetup(
+            experiment_name=self.experiment_name or self._name, trial_name=self.trial_name, mfcs=mfcs,
+            models=models, dataset=DatasetSpec(format=self.dataset.format, path=train, args=data_args),
+            n_workers=self.n_workers, allocation=self.allocation or self._default_allocation(),
+            run_dir=self.run_dir(self._name), total_train_epochs=self.total_train_epochs,
+            max_train_steps=self.max_train_steps, save_freq_steps=self.save_freq_steps,
+            eval=EvalSpec(role=ACTOR, dataset=DatasetSpec(format=self.dataset.format, path=test, args=data_args),
+                          interface_impl="ppo_actor",
+                          interface_args={"eval_max_new_tokens": h.max_new_tokens}, freq_steps=self.eval_freq_steps),
+            seed=self.seed, name_resolve=_asdict(self.name_resolve), worker_threads=self.worker_threads,
+            trace=self.trace,
+        )
+
+    def _default_allocation(self) -> str:
+        n = self.n_workers
+        if n % 2:
+            return f"d{n}"
+        return f"actor_train:d{n // 2}t2,*:d{n}"  # train tensor-parallel, generate data-parallel
+
+
+def _rl_fields(name: str, graph: str, lr: float, steps: int, batch: int) -> Any:
+    @dataclass
+    class Config(_RLBase):
+        model: RLModelConfig = field(default_factory=RLModelConfig)
+        dataset: RLDataConfig = field(default_factory=RLDataConfig)
+        ppo: PPOHyperConfig = field(default_factory=lambda: PPOHyperConfig(
+            estimator="gae" if graph == "ppo" else "grpo", n_samples=1 if graph == "ppo" else 4))
+        actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
+            lr=lr, weight_decay=0.0, warmup_steps_proportion=0.0, lr_scheduler_type="constant"))
+        critic_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
+            lr=1e-3, weight_decay=0.0, warmup_steps_proportion=0.0, lr_scheduler_type="constant"))
+        reward: str = field(default="arithmetic", metadata={"help": "reward function (mfc.reward registry)"})
+        batch_size: int = field(default=batch, metadata={"help": "prompts per step (global)"})
+        max_tokens_per_mb: int = field(default=8192, metadata={"help": "micro-batch token budget per worker"})
+        total_train_epochs: int = field(default=1, metadata={"help": "passes over the prompts"})
+        max_train_steps: Optional[int] = field(default=steps, metadata={"help": "stop after this many steps"})
+        save_freq_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
+        eval_freq_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0 = before and after)"})
+
+    Config._graph = graph
+    Config._name = name
+    Config.__name__ = Config.__qualname__ = name.replace("-", "_").upper() + "Config"
+    Config.__doc__ = f"{graph.upper()} on math prompts (see experiments.ppo_math)."
+    return register_experiment(name)(Config)
+
+
+GRPOMathConfig = _rl_fields("grpo-math", "grpo", lr=2e-4, steps=100, batch=32)
+PPOMathConfig = _rl_fields("ppo-math", "ppo", lr=2e-4, steps=100, batch=64)

@@ -1,0 +1,101 @@
+"""PPO-family graphs: actor generation -> reward / reference / critic inference -> training.
+
+``ppo``::
+
+    dataset ── packed_prompts ──> actor_gen ── packed_input_ids, prompt_mask,
+                                     │         packed_logprobs, seq_no_eos_mask
+              answer ─────────────┐  ▼
+                          reward_inf  ref_inf  critic_inf   (all read packed_input_ids)
+                               │ rewards │ packed_ref_logprobs │ values
+                               ▼         ▼                     ▼
+                          actor_train  and  critic_train
+
+``grpo`` is the same graph without the critic (advantages come from the group of
+``n_samples`` responses to each prompt) and, when ``kl_coef == 0``, without the
+reference model.
+
+The graph only names interfaces ("ppo_actor", "ppo_critic", "ppo_ref",
+"rule_reward"); their implementations register themselves from ``mfc/``. Keys are
+module constants so that interfaces and tests agree on them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from realflow.api.batch import MicroBatchSpec
+from realflow.api.dfg import register_graph
+from realflow.api.mfc import MFCDef, ModelInterfaceType, ParamReallocHook
+
+PROMPTS = "packed_prompts"
+ANSWER = "answer"
+INPUT_IDS = "packed_input_ids"
+PROMPT_MASK = "prompt_mask"
+LOGPROBS = "packed_logprobs"
+NO_EOS = "seq_no_eos_mask"
+REWARDS = "rewards"
+REF_LOGPROBS = "packed_ref_logprobs"
+VALUES = "values"
+
+ACTOR, CRITIC, REF, REWARD = "actor", "critic", "ref", "reward"
+
+
+@dataclass
+class PPOGraphConfig:
+    """What varies between PPO-family graphs; every MFC uses the same global batch."""
+
+    batch_size: int
+    n_samples: int = 1
+    use_critic: bool = True
+    use_ref: bool = True
+    ref_ema_eta: float | None = None  # set: ref <- eta*actor + (1-eta)*ref after each actor update
+    gen_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    inf_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    train_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
+    actor_args: dict[str, Any] = field(default_factory=dict)  # "ppo_actor" interface fields
+    critic_args: dict[str, Any] = field(default_factory=dict)  # "ppo_critic" interface fields
+    reward_args: dict[str, Any] = field(default_factory=dict)  # "rule_reward" interface fields
+
+
+def _mfc(name: str, role: str, kind: ModelInterfaceType, impl: str, args: dict, ins, outs,
+         cfg: PPOGraphConfig, mb: MicroBatchSpec, **kw) -> MFCDef:
+    return MFCDef(name=name, model_name=role, interface_type=kind, interface_impl=impl,
+                  interface_args=dict(args), input_keys=tuple(ins), output_keys=tuple(outs),
+                  n_seqs=cfg.batch_size, mb_spec=mb, **kw)
+
+
+def build_ppo_family(cfg: PPOGraphConfig) -> list[MFCDef]:
+    """The MFCs of PPO (with critic) or GRPO-style training (without)."""
+    G, I, T = ModelInterfaceType.GENERATE, ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
+    actor_args = dict(cfg.actor_args, n_samples=cfg.n_samples)
+    train_in = [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS]
+    mfcs = [
+        _mfc("actor_gen", ACTOR, G, "ppo_actor", actor_args, [PROMPTS],
+             [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS], cfg, cfg.gen_mb),
+        _mfc("reward_inf", REWARD, I, "rule_reward", cfg.reward_args, [INPUT_IDS, PROMPT_MASK, ANSWER],
+             [REWARDS], cfg, cfg.inf_mb),
+    ]
+    if cfg.use_ref:
+        mfcs.append(_mfc("ref_inf", REF, I, "ppo_ref", {}, [INPUT_IDS], [REF_LOGPROBS], cfg, cfg.inf_mb))
+        train_in.append(REF_LOGPROBS)
+    if cfg.use_critic:
+        mfcs.append(_mfc("critic_inf", CRITIC, I, "ppo_critic", cfg.critic_args, [INPUT_IDS], [VALUES],
+                         cfg, cfg.inf_mb))
+        train_in.append(VALUES)
+    hooks = []
+    if cfg.use_ref and cfg.ref_ema_eta is not None:
+        hooks.append(ParamReallocHook(source_role=ACTOR, target_role=REF, eta=cfg.ref_ema_eta))
+    mfcs.append(_mfc("actor_train", ACTOR, T, "ppo_actor", actor_args, train_in, [], cfg, cfg.train_mb,
+                     post_hooks=hooks, log_return_value=True))
+    if cfg.use_critic:
+        mfcs.append(_mfc("critic_train", CRITIC, T, "ppo_critic", cfg.critic_args, train_in, [], cfg,
+                         cfg.train_mb, log_return_value=True))
+    return mfcs
+
+
+@register_graph("ppo")
+def build_ppo_graph(cfg: PPOGraphConfig) -> list[MFCDef]:
+    """Actor-critic PPO with a reference model (KL penalty) and a rule-based reward."""
+    if not cfg.use_critic:
+        raise ValueError("the 'ppo' graph needs a critic (use_critic=True); use the 'grpo' graph without one")
+    return build_ppo_family(cfg)

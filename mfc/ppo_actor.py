@@ -1,0 +1,179 @@
+"""The PPO actor: generate (with behaviour logprobs), recompute logprobs, clipped-PPO train step.
+
+``generate`` runs realflow's generation engine on the weights of the MFC's layout (the
+engine shares the megatron parameters, so a reallocation into this layout is seen
+without copying). ``train_step`` computes advantages (:mod:`mfc.rl_batch`), then runs
+``ppo_epochs`` x ``n_minibatches`` optimizer steps of the clipped (optionally dual-clip
+or decoupled) objective. ``evaluate`` is greedy exact match on held-out prompts.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from mfc.losses import PPOActorConfig, aggregation_weight, ppo_actor_loss
+from mfc.math_reward import verify_answer
+from mfc.packed import next_token_targets
+from mfc.ppo_functional import ppo_minibatches
+from mfc.rl_batch import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, AdvantageConfig, compute_rl_tensors,
+                          flat_seqlens, with_token_keys)
+from realflow.api.batch import MicroBatchSpec, SequenceBatch
+from realflow.api.generation import SamplingParams
+from realflow.api.interface import Model, ModelInterface, register_interface
+
+
+def generator_for(model: Model, max_running: int = 256) -> Any:
+    """The generation engine over ``model``'s parameters (built once per engine, then reused)."""
+    from parallel.generation import EngineConfig, GenerationEngine
+
+    eng = model.module
+    gen = getattr(eng, "_realflow_generator", None)
+    if gen is None:
+        if eng.groups.strategy.pp > 1:
+            raise ValueError(f"generation needs a layout with pp=1, got {eng.groups.strategy}; give the "
+                             f"generate MFC its own allocation (e.g. actor_gen:d2)")
+        gen = GenerationEngine.from_megatron(eng, EngineConfig(max_running_requests=max_running),
+                                             tokenizer=model.tokenizer)
+        eng._realflow_generator = gen
+    if gen.weight_version != model.version:  # weights moved in place since the last call
+        gen.weights_updated(model.version)
+    return gen
+
+
+@register_interface("ppo_actor")
+@dataclass
+class PPOActorInterface(ModelInterface):
+    n_samples: int = 1
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 1
+    ppo_epochs: int = 1
+    n_minibatches: int = 1
+    eps_clip: float = 0.2
+    dual_clip: Optional[float] = None
+    entropy_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    adv: dict[str, Any] = field(default_factory=dict)  # AdvantageConfig fields
+    eval_max_new_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        self.adv_cfg = AdvantageConfig(**self.adv)
+        self.loss_cfg = PPOActorConfig(eps_clip=self.eps_clip, dual_clip=self.dual_clip,
+                                       entropy_coef=self.entropy_coef, agg=self.loss_agg)
+        self._step = 0
+
+    # ---- generate -------------------------------------------------------------------------------
+    def generate(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> SequenceBatch:
+        gen = generator_for(model)
+        tok = model.tokenizer
+        prompts = [batch.sequences("packed_prompts", i)[0].tolist() for i in range(len(batch))]
+        params = []
+        for sid in batch.ids:  # seeds: reproducible per (run seed, weight version, sample)
+            seed = zlib.crc32(f"{self.seed}/{model.version}/{sid}".encode())
+            params.append(SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                         top_p=self.top_p, top_k=self.top_k, n=self.n_samples, seed=seed,
+                                         stop_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else []))
+        results = gen.generate(prompts, params)
+        ids, pmask, lps, no_eos = [], [], [], []
+        for i in range(len(batch)):
+            g_ids, g_pm, g_lp, g_ne = [], [], [], []
+            for r in results[i * self.n_samples:(i + 1) * self.n_samples]:
+                p, o = list(r.prompt_ids), list(r.output_ids)
+                g_ids.append(torch.tensor(p + o, dtype=torch.long))
+                g_pm.append(torch.tensor([1] * len(p) + [0] * len(o), dtype=torch.bool))
+                lp = torch.zeros(len(p) + len(o), dtype=torch.float32)
+                if o:  # logprob of output j (position len(p)+j) belongs to position len(p)+j-1
+                    lp[len(p) - 1:len(p) - 1 + len(o)] = torch.tensor(r.output_logprobs, dtype=torch.float32)
+                g_lp.append(lp)
+                g_ne.append(torch.tensor([float(r.finish_reason.get("type") == "length")]))
+            ids.append(g_ids)
+            pmask.append(g_pm)
+            lps.append(g_lp)
+            no_eos.append(g_ne)
+        return SequenceBatch.from_samples(batch.ids, {INPUT_IDS: ids, PROMPT_MASK: pmask, LOGPROBS: lps,
+                                                      NO_EOS: no_eos})
+
+    # ---- inference: logprobs under the current weights -----------------------------------------
+    def inference(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> Optional[SequenceBatch]:
+        return logprobs_batch(model, batch, mb_spec, "proximal_logprobs")
+
+    # ---- train ----------------------------------------------------------------------------------
+    def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
+        eng = model.module
+        t = compute_rl_tensors(batch, self.adv_cfg, dp_sum=eng.dp_sum)
+        tb = with_token_keys(batch, t)
+        totals: dict[str, float] = {}
+        n_updates = 0
+        for _, _, mini in ppo_minibatches(tb, self.ppo_epochs, self.n_minibatches, self.seed, self._step):
+            mbs = []
+            for mb in mini.micro_batches(mb_spec):
+                lens = flat_seqlens(mb)
+                targets, _ = next_token_targets(mb.data[INPUT_IDS], lens)
+                mbs.append((mb.data[INPUT_IDS], lens, {"targets": targets, "mask": mb.data["_mask"].bool(),
+                                                       "old": mb.data["_old_lp"], "adv": mb.data["_adv"],
+                                                       "lens": lens}))
+            st = eng.train_batch(mbs, self._loss, self._weight)
+            n_updates += 1
+            for k, v in st.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        self._step += 1
+        out = {k: v / n_updates for k, v in totals.items() if k in ("loss", "grad_norm", "lr")}
+        n_tok = max(totals.get("n_loss_tokens", 0.0), 1.0)
+        for k in ("clip_sum", "approx_kl_sum", "entropy_sum", "ratio_sum"):
+            if k in totals:
+                out[k.replace("_sum", "")] = totals[k] / n_tok
+        n_seqs, score = eng.dp_sum([t.stats["n_seqs"], t.stats["score_sum"]])
+        out["reward"] = score / max(n_seqs, 1.0)
+        n_trunc, n_act = eng.dp_sum([t.stats["n_truncated"], t.stats["n_action_tokens"]])
+        out["truncated_frac"] = n_trunc / max(n_seqs, 1.0)
+        out["response_len"] = n_act / max(n_seqs, 1.0)
+        if "kl_ref_sum" in t.stats:
+            out["kl_ref"] = eng.dp_sum([t.stats["kl_ref_sum"]])[0] / max(n_act, 1.0)
+        return out
+
+    def _loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.loss_cfg.entropy_coef:
+            lp, ent = outputs.logprobs_and_entropy(extra["targets"])
+        else:
+            lp, ent = outputs.logprobs(extra["targets"]), None
+        return ppo_actor_loss(lp, extra["old"], extra["adv"], extra["mask"], self.loss_cfg,
+                              seqlens=extra["lens"], entropy=ent)
+
+    def _weight(self, extra: dict) -> float:
+        return float(aggregation_weight(extra["mask"], extra["lens"], self.loss_cfg.agg))
+
+    # ---- evaluation / save ----------------------------------------------------------------------
+    def evaluate(self, model: Model, batch: SequenceBatch) -> dict[str, float]:
+        """Greedy exact match on this dp rank's held-out prompts, summed over dp ranks."""
+        eng = model.module
+        prompts = [batch.sequences("packed_prompts", i)[0].tolist() for i in range(len(batch))]
+        tok = model.tokenizer
+        if eng.groups.strategy.pp == 1 and not getattr(eng, "critic", False):
+            gen = generator_for(model)
+            res = gen.generate(prompts, SamplingParams(max_new_tokens=self.eval_max_new_tokens, temperature=0.0,
+                                                       stop_token_ids=[tok.eos_token_id]))
+            outputs = [r.output_ids for r in res]
+        else:
+            outputs = eng.greedy_generate(prompts, self.eval_max_new_tokens, tok.eos_token_id)
+        correct = sum(verify_answer(tok.decode(o, skip_special_tokens=True), a, allow_last_number=False).reward
+                      for o, a in zip(outputs, batch.metadata["answer"]))
+        n_correct, n_total = eng.dp_sum([float(correct), float(len(prompts))])
+        return {"accuracy": n_correct / max(n_total, 1.0), "n_eval": n_total}
+
+    def save(self, model: Model, path: str) -> None:
+        model.module.save_hf(path, tokenizer_dir=getattr(model.tokenizer, "name_or_path", None))
+
+
+def logprobs_batch(model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec, key: str
+                   ) -> Optional[SequenceBatch]:
+    """Per-token logprobs of ``packed_input_ids`` under ``model`` (None on non-output ranks)."""
+    lens = flat_seqlens(batch)
+    lp = model.module.logprobs(batch.data[INPUT_IDS], lens, mb_spec.max_tokens_per_mb)
+    if lp is None:
+        return None
+    return SequenceBatch(list(batch.ids), {key: batch.seqlens[INPUT_IDS]}, {key: lp.float()})

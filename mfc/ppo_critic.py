@@ -1,0 +1,83 @@
+"""The PPO critic (values per token, clipped value loss) and the reference model (logprobs).
+
+Both run on megatron engines in any layout; outputs come back on each data-parallel
+head (other ranks return None, see ``parallel.engine``). The critic computes the same
+advantages and returns as the actor (:mod:`mfc.rl_batch`), so the two train steps are
+independent MFCs that may run at the same time on disjoint workers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from mfc.losses import aggregation_weight, value_loss
+from mfc.ppo_actor import logprobs_batch
+from mfc.ppo_functional import ppo_minibatches
+from mfc.rl_batch import INPUT_IDS, VALUES, AdvantageConfig, compute_rl_tensors, flat_seqlens, with_token_keys
+from realflow.api.batch import MicroBatchSpec, SequenceBatch
+from realflow.api.interface import Model, ModelInterface, register_interface
+
+
+@register_interface("ppo_critic")
+@dataclass
+class PPOCriticInterface(ModelInterface):
+    ppo_epochs: int = 1
+    n_minibatches: int = 1
+    value_eps_clip: Optional[float] = 0.2
+    loss_agg: str = "token-mean"
+    seed: int = 1
+    adv: dict[str, Any] = field(default_factory=dict)  # AdvantageConfig fields (same as the actor's)
+
+    def __post_init__(self) -> None:
+        self.adv_cfg = AdvantageConfig(**self.adv)
+        self._step = 0
+
+    def inference(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> Optional[SequenceBatch]:
+        lens = flat_seqlens(batch)
+        v = model.module.values(batch.data[INPUT_IDS], lens, mb_spec.max_tokens_per_mb)
+        if v is None:
+            return None
+        return SequenceBatch(list(batch.ids), {VALUES: batch.seqlens[INPUT_IDS]}, {VALUES: v.float()})
+
+    def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
+        eng = model.module
+        t = compute_rl_tensors(batch, self.adv_cfg, dp_sum=eng.dp_sum)
+        tb = with_token_keys(batch, t)
+        totals: dict[str, float] = {}
+        n = 0
+        for _, _, mini in ppo_minibatches(tb, self.ppo_epochs, self.n_minibatches, self.seed, self._step):
+            mbs = [(mb.data[INPUT_IDS], flat_seqlens(mb),
+                    {"mask": mb.data["_mask"].bool(), "old": mb.data["_old_v"], "ret": mb.data["_ret"],
+                     "lens": flat_seqlens(mb)}) for mb in mini.micro_batches(mb_spec)]
+            st = eng.train_batch(mbs, self._loss, self._weight)
+            n += 1
+            for k, v in st.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+        self._step += 1
+        out = {k: totals[k] / n for k in ("loss", "grad_norm", "lr") if k in totals}
+        n_tok = max(totals.get("n_loss_tokens", 0.0), 1.0)
+        for k, v in totals.items():
+            if k.endswith("_sum"):
+                out[k[:-4]] = v / n_tok
+        return out
+
+    def _loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        return value_loss(outputs.values(), extra["old"], extra["ret"], extra["mask"], self.value_eps_clip,
+                          seqlens=extra["lens"], agg=self.loss_agg)
+
+    def _weight(self, extra: dict) -> float:
+        return float(aggregation_weight(extra["mask"], extra["lens"], self.loss_agg))
+
+    def save(self, model: Model, path: str) -> None:
+        model.module.save_hf(path, tokenizer_dir=getattr(model.tokenizer, "name_or_path", None))
+
+
+@register_interface("ppo_ref")
+@dataclass
+class PPORefInterface(ModelInterface):
+    """Reference-model logprobs of the generated sequences (for the KL penalty)."""
+
+    def inference(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> Optional[SequenceBatch]:
+        return logprobs_batch(model, batch, mb_spec, "packed_ref_logprobs")

@@ -1,0 +1,143 @@
+"""Turn a generated RL batch into per-token training tensors (advantages, returns, masks).
+
+Conventions (shared with the generation and inference MFCs): a sequence is prompt +
+response, packed; a per-token key ``x`` is aligned with ``packed_input_ids`` and
+``x[t]`` belongs to the *action* of predicting token ``t + 1`` (so ``packed_logprobs[t]
+= log pi(ids[t+1] | ids[..t])``, zero where there is no response token to predict).
+Action positions are therefore ``t`` with ``prompt_mask[t + 1] == 0`` inside the
+sequence. Everything RL-specific (reward shaping, advantages, normalisation) runs on
+the action positions only, as response-only packed tensors with one length per
+sequence, and is scattered back to full positions for the loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from mfc.advantages import gae, grpo_advantages, normalize, reinforce_pp_advantages, rloo_advantages
+from mfc.kl import kl_estimate, shape_rewards
+from realflow.api.batch import SequenceBatch
+
+INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS = "packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask"
+REWARDS, REF_LOGPROBS, VALUES = "rewards", "packed_ref_logprobs", "values"
+ESTIMATORS = ("gae", "grpo", "rloo", "reinforce++")
+
+
+@dataclass
+class AdvantageConfig:
+    """How rewards become advantages (the same on the actor and the critic side)."""
+
+    estimator: str = "gae"  # gae | grpo | rloo | reinforce++
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_coef: float = 0.0  # token-level KL penalty in the reward (needs reference logprobs)
+    kl_estimator: str = "k1"
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
+    reward_clip: Optional[float] = None
+    adv_norm: str = "batch"  # none | batch | group
+    adv_norm_std: bool = True
+    mask_truncated: bool = False  # responses cut by max_new_tokens get no loss
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator={self.estimator!r}: expected one of {ESTIMATORS}")
+
+
+@dataclass
+class RLTensors:
+    """Per-token tensors over the full packed sequences of a local batch."""
+
+    seqlens: list[int]  # per sequence (groups flattened)
+    action_mask: torch.Tensor  # bool [T]
+    old_logprobs: torch.Tensor  # [T]
+    advantages: torch.Tensor  # [T], 0 off-action
+    returns: torch.Tensor  # [T], 0 off-action (critic target)
+    old_values: Optional[torch.Tensor]  # [T] or None
+    stats: dict[str, float]
+
+
+def flat_seqlens(batch: SequenceBatch, key: str = INPUT_IDS) -> list[int]:
+    return [n for lens in batch.seqlens[key] for n in lens]
+
+
+def action_mask(ids: torch.Tensor, prompt_mask: torch.Tensor, seqlens: list[int]) -> torch.Tensor:
+    """True at positions that predict a response token of the same sequence."""
+    ends = torch.cumsum(torch.tensor(seqlens, dtype=torch.long), 0) - 1
+    nxt_is_resp = ~torch.roll(prompt_mask.bool(), -1)
+    nxt_is_resp[ends] = False
+    return nxt_is_resp
+
+
+def compute_rl_tensors(batch: SequenceBatch, cfg: AdvantageConfig,
+                       dp_sum: Optional[Callable[[list[float]], list[float]]] = None) -> RLTensors:
+    """Rewards -> (shaped token rewards) -> advantages and returns, for this dp rank's batch."""
+    ids = batch.data[INPUT_IDS]
+    lens = flat_seqlens(batch)
+    act = action_mask(ids, batch.data[PROMPT_MASK], lens)
+    resp_lens = [int(x) for x in torch.segment_reduce(act.float(), "sum", lengths=torch.tensor(lens)).tolist()]
+    if any(n == 0 for n in resp_lens):
+        raise ValueError("a sequence has no response token (empty generation); nothing to train on")
+    group_sizes = [len(g) for g in batch.seqlens[INPUT_IDS]]
+    scores = batch.data[REWARDS].float().reshape(-1)
+    if scores.shape[0] != len(lens):
+        raise ValueError(f"{REWARDS}: {scores.shape[0]} values for {len(lens)} sequences (one per sequence)")
+    no_eos = batch.data[NO_EOS].bool().reshape(-1) if NO_EOS in batch.data else torch.zeros(len(lens), dtype=torch.bool)
+    old_lp = batch.data[LOGPROBS].float()
+    a_old = old_lp[act]
+    kl = None
+    stats: dict[str, float] = {"score_sum": float(scores.sum()), "n_seqs": float(len(lens)),
+                               "n_truncated": float(no_eos.sum()), "n_action_tokens": float(act.sum())}
+    if REF_LOGPROBS in batch.data:
+        kl = kl_estimate(a_old, batch.data[REF_LOGPROBS].float()[act], cfg.kl_estimator)
+        stats["kl_ref_sum"] = float(kl.sum())
+    values = batch.data[VALUES].float() if VALUES in batch.data else None
+    if cfg.estimator in ("gae", "reinforce++"):
+        tok_r = shape_rewards(scores, resp_lens, kl, cfg.kl_coef, score_clip=cfg.reward_clip,
+                              score_scale=cfg.reward_scale, score_bias=cfg.reward_bias)
+        if cfg.estimator == "gae":
+            if values is None:
+                raise ValueError("estimator 'gae' needs critic values (key 'values'); use grpo/rloo/reinforce++")
+            ends = torch.cumsum(torch.tensor(lens), 0) - 1  # value after the last token: bootstrap
+            adv, ret = gae(tok_r, values[act], resp_lens, cfg.gamma, cfg.lam, done=~no_eos,
+                           bootstrap_values=values[ends])
+        else:
+            adv, ret = reinforce_pp_advantages(tok_r, resp_lens, cfg.gamma, scale_by_std=False)
+    else:
+        s = (scores + cfg.reward_bias) * cfg.reward_scale
+        if cfg.reward_clip is not None:
+            s = s.clamp(-cfg.reward_clip, cfg.reward_clip)
+        fn = grpo_advantages if cfg.estimator == "grpo" else rloo_advantages
+        adv = fn(s, group_sizes, seqlens=resp_lens).float()
+        if kl is not None and cfg.kl_coef:
+            adv = adv - cfg.kl_coef * kl  # GRPO-style: KL as a per-token advantage penalty
+        ret = adv.clone()
+    if cfg.adv_norm != "none":
+        gid = None
+        if cfg.adv_norm == "group":
+            gid = torch.repeat_interleave(torch.repeat_interleave(torch.arange(len(group_sizes)),
+                                                                  torch.tensor(group_sizes)),
+                                          torch.tensor(resp_lens))
+        adv = normalize(adv, mode=cfg.adv_norm, scale_by_std=cfg.adv_norm_std, group_ids=gid,
+                        dp_sum=dp_sum if cfg.adv_norm == "batch" else None)
+    full_adv = torch.zeros_like(old_lp)
+    full_ret = torch.zeros_like(old_lp)
+    full_adv[act] = adv.float()
+    full_ret[act] = ret.float()
+    if cfg.mask_truncated and bool(no_eos.any()):
+        seq_of_tok = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+        act = act & ~no_eos[seq_of_tok]
+    stats["adv_sum"] = float(adv.sum())
+    return RLTensors(lens, act, old_lp, full_adv, full_ret, values, stats)
+
+
+def with_token_keys(batch: SequenceBatch, t: RLTensors) -> SequenceBatch:
+    """``batch`` plus the per-token training tensors as keys aligned with ``packed_input_ids``."""
+    lens = batch.seqlens[INPUT_IDS]
+    data = {INPUT_IDS: batch.data[INPUT_IDS], "_mask": t.action_mask.float(), "_old_lp": t.old_logprobs,
+            "_adv": t.advantages, "_ret": t.returns}
+    if t.old_values is not None:
+        data["_old_v"] = t.old_values
+    return SequenceBatch(list(batch.ids), {k: lens for k in data}, data)

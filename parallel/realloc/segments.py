@@ -9,18 +9,16 @@ nothing (the memory goes with the last mapping).
 """
 from __future__ import annotations
 
-import errno
 import mmap
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 
+from realflow.base.shm_files import SHM_DIR, ShmSpaceError, create_mapped, open_mapped, unlink_quiet
 
 __all__ = ["Segment", "create_segment", "open_segment", "unlink_segment", "SHM_DIR"]
 
-SHM_DIR = "/dev/shm"  # tmpfs; parallel/ may not import realflow.comm (dependency direction)
 
 
 class Segment:
@@ -45,55 +43,23 @@ class Segment:
         self._mm = None
 
 
-def _path(name: str) -> str:
-    return os.path.join(SHM_DIR, name)
-
-
 def create_segment(name: str, size: int) -> Segment:
     """Create, size and pre-fault a segment (one write per page)."""
-    fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, size)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                os.unlink(_path(name))
-                raise RuntimeError(f"no space in {SHM_DIR} for a {size >> 20} MiB reallocation segment") from None
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    except BaseException:
-        unlink_segment(name)
-        raise
-    finally:
-        os.close(fd)
-    seg = Segment(name, mm)
-    seg.data[:: mmap.PAGESIZE].zero_()  # pre-fault our page tables (torch releases the GIL)
-    return seg
+        return Segment(name, create_mapped(name, size))
+    except ShmSpaceError as e:
+        raise RuntimeError(f"reallocation segment: {e}") from None
 
 
 def open_segment(name: str, size: int) -> Segment:
     """Map an existing segment of at least ``size`` bytes and pre-fault the reader's page tables."""
     try:
-        fd = os.open(_path(name), os.O_RDWR)
+        return Segment(name, open_mapped(name, size))
     except FileNotFoundError:
         raise RuntimeError(f"reallocation segment {name} not found in {SHM_DIR}") from None
-    try:
-        actual = os.fstat(fd).st_size
-        if actual < size:
-            raise RuntimeError(f"reallocation segment {name} has {actual} bytes, expected {size}")
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-    seg = Segment(name, mm)
-    seg.data[:: mmap.PAGESIZE].sum()
-    return seg
+    except ValueError as e:
+        raise RuntimeError(f"reallocation {e}") from None
 
 
 def unlink_segment(name: str) -> bool:
-    try:
-        os.unlink(_path(name))
-        return True
-    except FileNotFoundError:
-        return False
+    return unlink_quiet(name)

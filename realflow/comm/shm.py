@@ -29,7 +29,6 @@ keeps pre-faulted segments ready (refilled in a background thread), which brings
 from __future__ import annotations
 
 import atexit
-import errno
 import itertools
 import logging
 import math
@@ -47,6 +46,8 @@ import numpy as np
 import torch
 
 from realflow.base.procfs import pid_alive
+from realflow.base import shm_files
+from realflow.base.shm_files import ShmSpaceError, create_mapped
 from realflow.comm.codec import dtype_from_name, dtype_name, tensor_bytes
 
 __all__ = ["put_tensors", "take_tensors", "release", "cleanup_segments", "list_segments", "segment_prefix",
@@ -54,7 +55,7 @@ __all__ = ["put_tensors", "take_tensors", "release", "cleanup_segments", "list_s
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = shm_files.SHM_DIR
 DEFAULT_PREFIX = "realflow_"
 _ALIGN = 64  # every tensor starts on a cache line
 _MiB = 1 << 20
@@ -91,31 +92,10 @@ class _Segment:
 
 def _create_segment(prefix: str, size: int, populate: bool) -> _Segment:
     name = f"{prefix}{os.getpid()}_{next(_counter)}_{secrets.token_hex(4)}"
-    fd = os.open(_path(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, size)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                free = os.statvfs(SHM_DIR)
-                raise ShmError(f"no space in {SHM_DIR} for a {size / _MiB:.1f} MiB segment "
-                               f"({free.f_bavail * free.f_frsize / _MiB:.1f} MiB free)") from None
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        if populate:
-            # Pre-fault our page tables with one write per page through torch, which releases the GIL
-            # (mmap's MAP_POPULATE runs inside mmap() with the GIL held and stalls every other thread).
-            view = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
-            view[:: mmap.PAGESIZE].zero_()
-            del view
-    except BaseException:
-        os.unlink(_path(name))
-        raise
-    finally:
-        os.close(fd)
-    return _Segment(name, size, mm)
+        return _Segment(name, size, create_mapped(name, size, populate))
+    except ShmSpaceError as e:
+        raise ShmError(str(e)) from None
 
 
 def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[tuple[str, torch.Tensor, int, int]], int]:

@@ -34,8 +34,12 @@ class RLModelConfig:
 
 @dataclass
 class RLDataConfig:
-    train_path: str = field(default="", metadata={"help": "jsonl prompts + answers ('' = the SFT default's arithmetic)"})
-    test_path: str = field(default="", metadata={"help": "held-out jsonl ('' = the SFT default's test set)"})
+    train_path: str = field(default="", metadata={"help": "jsonl prompts + answers ('' = fresh arithmetic problems)"})
+    test_path: str = field(default="", metadata={"help": "held-out jsonl ('' = generated with the training prompts)"})
+    n_train: int = field(default=20_000, metadata={"help": "generated RL prompts"})
+    n_test: int = field(default=500, metadata={"help": "generated held-out prompts"})
+    difficulty: int = field(default=2, metadata={"help": "max operand digits (the SFT default's is 2)"})
+    data_seed: int = field(default=1, metadata={"help": "seed of the generated prompts (the SFT default used 0)"})
     format: str = field(default="prompt_answer", metadata={"help": "prompt_answer | gsm8k | boxed | a registered format"})
     max_prompt_len: int = field(default=64, metadata={"help": "drop prompts longer than this (tokens)"})
 
@@ -51,6 +55,8 @@ class PPOHyperConfig:
     dual_clip: Optional[float] = field(default=None, metadata={"help": "dual-clip constant c (None = off)"})
     entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus"})
     kl_coef: float = field(default=0.0, metadata={"help": "KL penalty against the reference model (0 = no ref)"})
+    kl_ctl: str = field(default="fixed", metadata={"help": "fixed | adaptive KL coefficient"})
+    kl_target: float = field(default=6.0, metadata={"help": "adaptive: target KL per sequence"})
     ref_ema_eta: Optional[float] = field(default=None, metadata={"help": "ref <- eta*actor + (1-eta)*ref per step"})
     estimator: str = field(default="grpo", metadata={"help": "gae | grpo | rloo | reinforce++"})
     gamma: float = field(default=1.0, metadata={"help": "discount"})
@@ -72,12 +78,18 @@ class _RLBase(BaseExperimentConfig):
         """(actor checkpoint, tokenizer, train jsonl, test jsonl)."""
         actor = self.model.path or os.path.join(self._sft_dir(), "checkpoints", "default", "final")
         tok = self.model.tokenizer_path or actor
-        data = os.path.abspath(os.path.join(self.fileroot, "data", "arith-d2-s0"))
+        d = self.dataset
+        data = os.path.abspath(os.path.join(self.fileroot, "data", f"arith-rl-d{d.difficulty}-s{d.data_seed}"))
         return (actor, tok, self.dataset.train_path or os.path.join(data, "train.jsonl"),
                 self.dataset.test_path or os.path.join(data, "test.jsonl"))
 
     def prepare(self) -> None:
-        actor = self._paths()[0]
+        actor, _, train, _ = self._paths()
+        d = self.dataset
+        if not d.train_path:  # problems the SFT run never saw, from the same distribution
+            from experiments.tasks.arithmetic import ensure_dataset
+
+            ensure_dataset(os.path.dirname(train), d.n_train, d.n_test, d.data_seed, d.difficulty)
         if self.model.path or os.path.isfile(os.path.join(actor, "config.json")):
             return
         print(f"no SFT checkpoint at {actor}: running the SFT default first (python -m realflow.apps.main_sft)",
@@ -95,6 +107,7 @@ class _RLBase(BaseExperimentConfig):
         actor, tok, train, test = self._paths()
         h = self.ppo
         adv = {"estimator": h.estimator, "gamma": h.gamma, "lam": h.lam, "kl_coef": h.kl_coef,
+               "kl_ctl": h.kl_ctl, "kl_target": h.kl_target,
                "adv_norm": h.adv_norm, "mask_truncated": h.mask_truncated}
         use_critic = self._graph == "ppo"
         gcfg = PPOGraphConfig(

@@ -18,8 +18,8 @@ from mfc.losses import PPOActorConfig, aggregation_weight, ppo_actor_loss
 from mfc.math_reward import verify_answer
 from mfc.packed import next_token_targets
 from mfc.ppo_functional import ppo_minibatches
-from mfc.rl_batch import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, AdvantageConfig, compute_rl_tensors,
-                          flat_seqlens, with_token_keys)
+from mfc.rl_batch import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, AdvantageConfig, KLPenalty,
+                          compute_rl_tensors, flat_seqlens, with_token_keys)
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.generation import SamplingParams
 from realflow.api.interface import Model, ModelInterface, register_interface
@@ -63,6 +63,7 @@ class PPOActorInterface(ModelInterface):
 
     def __post_init__(self) -> None:
         self.adv_cfg = AdvantageConfig(**self.adv)
+        self.kl = KLPenalty(self.adv_cfg)
         self.loss_cfg = PPOActorConfig(eps_clip=self.eps_clip, dual_clip=self.dual_clip,
                                        entropy_coef=self.entropy_coef, agg=self.loss_agg)
         self._step = 0
@@ -105,7 +106,9 @@ class PPOActorInterface(ModelInterface):
     # ---- train ----------------------------------------------------------------------------------
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
         eng = model.module
-        t = compute_rl_tensors(batch, self.adv_cfg, dp_sum=eng.dp_sum)
+        kl_coef = self.kl.value
+        t = compute_rl_tensors(batch, self.adv_cfg, dp_sum=eng.dp_sum, kl_coef=kl_coef)
+        self.kl.update(t.stats, eng.dp_sum)
         tb = with_token_keys(batch, t)
         totals: dict[str, float] = {}
         n_updates = 0
@@ -118,15 +121,20 @@ class PPOActorInterface(ModelInterface):
                                                        "old": mb.data["_old_lp"], "adv": mb.data["_adv"],
                                                        "lens": lens}))
             st = eng.train_batch(mbs, self._loss, self._weight)
+            if n_updates == 0:  # before any update: the trainer must see the generator's distribution
+                gen_kl = st["approx_kl_k3_sum"] / max(st["n_loss_tokens"], 1.0)
             n_updates += 1
             for k, v in st.items():
                 totals[k] = totals.get(k, 0.0) + float(v)
         self._step += 1
         out = {k: v / n_updates for k, v in totals.items() if k in ("loss", "grad_norm", "lr")}
         n_tok = max(totals.get("n_loss_tokens", 0.0), 1.0)
-        for k in ("clip_sum", "approx_kl_sum", "entropy_sum", "ratio_sum"):
-            if k in totals:
-                out[k.replace("_sum", "")] = totals[k] / n_tok
+        for k, name in (("clipped_tokens", "clip_frac"), ("approx_kl_sum", "approx_kl"),
+                        ("entropy_sum", "entropy"), ("ratio_sum", "ratio")):
+            out[name] = totals.get(k, 0.0) / n_tok
+        # k3 KL(behaviour || trainer) on the first mini-batch: ~1e-12 when the reallocated generation
+        # weights equal the training weights and both compute the same fp32 logprobs
+        out["gen_train_kl"] = gen_kl
         n_seqs, score = eng.dp_sum([t.stats["n_seqs"], t.stats["score_sum"]])
         out["reward"] = score / max(n_seqs, 1.0)
         n_trunc, n_act = eng.dp_sum([t.stats["n_truncated"], t.stats["n_action_tokens"]])
@@ -134,6 +142,7 @@ class PPOActorInterface(ModelInterface):
         out["response_len"] = n_act / max(n_seqs, 1.0)
         if "kl_ref_sum" in t.stats:
             out["kl_ref"] = eng.dp_sum([t.stats["kl_ref_sum"]])[0] / max(n_act, 1.0)
+            out["kl_coef"] = kl_coef
         return out
 
     def _loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:

@@ -15,7 +15,7 @@ import torch
 from mfc.losses import aggregation_weight, value_loss
 from mfc.ppo_actor import logprobs_batch
 from mfc.ppo_functional import ppo_minibatches
-from mfc.rl_batch import INPUT_IDS, VALUES, AdvantageConfig, compute_rl_tensors, flat_seqlens, with_token_keys
+from mfc.rl_batch import INPUT_IDS, VALUES, AdvantageConfig, KLPenalty, compute_rl_tensors, flat_seqlens, with_token_keys
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.interface import Model, ModelInterface, register_interface
 
@@ -32,6 +32,7 @@ class PPOCriticInterface(ModelInterface):
 
     def __post_init__(self) -> None:
         self.adv_cfg = AdvantageConfig(**self.adv)
+        self.kl = KLPenalty(self.adv_cfg)
         self._step = 0
 
     def inference(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> Optional[SequenceBatch]:
@@ -43,7 +44,9 @@ class PPOCriticInterface(ModelInterface):
 
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
         eng = model.module
-        t = compute_rl_tensors(batch, self.adv_cfg, dp_sum=eng.dp_sum)
+        kl_coef = self.kl.value
+        t = compute_rl_tensors(batch, self.adv_cfg, dp_sum=eng.dp_sum, kl_coef=kl_coef)
+        self.kl.update(t.stats, eng.dp_sum)
         tb = with_token_keys(batch, t)
         totals: dict[str, float] = {}
         n = 0

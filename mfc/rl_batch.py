@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from mfc.advantages import gae, grpo_advantages, normalize, reinforce_pp_advantages, rloo_advantages
-from mfc.kl import kl_estimate, shape_rewards
+from mfc.kl import KLControlConfig, kl_estimate, make_kl_controller, shape_rewards
 from realflow.api.batch import SequenceBatch
 
 INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS = "packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask"
@@ -32,8 +32,11 @@ class AdvantageConfig:
     estimator: str = "gae"  # gae | grpo | rloo | reinforce++
     gamma: float = 1.0
     lam: float = 1.0
-    kl_coef: float = 0.0  # token-level KL penalty in the reward (needs reference logprobs)
+    kl_coef: float = 0.0  # token-level KL penalty in the reward (needs reference logprobs); initial value
     kl_estimator: str = "k1"
+    kl_ctl: str = "fixed"  # fixed | adaptive (steer the per-sequence KL towards kl_target)
+    kl_target: float = 6.0
+    kl_horizon: float = 10000.0
     reward_scale: float = 1.0
     reward_bias: float = 0.0
     reward_clip: Optional[float] = None
@@ -71,9 +74,35 @@ def action_mask(ids: torch.Tensor, prompt_mask: torch.Tensor, seqlens: list[int]
     return nxt_is_resp
 
 
+class KLPenalty:
+    """The KL coefficient of the reward penalty, fixed or adapted after every step.
+
+    Actor and critic each hold one; both see the same batches and statistics, so their
+    coefficients stay equal without talking to each other.
+    """
+
+    def __init__(self, cfg: AdvantageConfig) -> None:
+        self.ctl = make_kl_controller(KLControlConfig(cfg.kl_ctl, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon))
+
+    @property
+    def value(self) -> float:
+        return self.ctl.value
+
+    def update(self, stats: dict[str, float], dp_sum: Callable[[list[float]], list[float]]) -> float:
+        """Feed the step's mean per-sequence KL (summed over dp ranks); returns the new coefficient."""
+        if "kl_ref_sum" in stats:
+            kl_sum, n_seqs = dp_sum([stats["kl_ref_sum"], stats["n_seqs"]])
+            self.ctl.update(kl_sum / max(n_seqs, 1.0), int(n_seqs))
+        return self.ctl.value
+
+
 def compute_rl_tensors(batch: SequenceBatch, cfg: AdvantageConfig,
-                       dp_sum: Optional[Callable[[list[float]], list[float]]] = None) -> RLTensors:
-    """Rewards -> (shaped token rewards) -> advantages and returns, for this dp rank's batch."""
+                       dp_sum: Optional[Callable[[list[float]], list[float]]] = None,
+                       kl_coef: Optional[float] = None) -> RLTensors:
+    """Rewards -> (shaped token rewards) -> advantages and returns, for this dp rank's batch.
+
+    ``kl_coef`` overrides ``cfg.kl_coef`` (an adaptive controller's current value)."""
+    kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
     ids = batch.data[INPUT_IDS]
     lens = flat_seqlens(batch)
     act = action_mask(ids, batch.data[PROMPT_MASK], lens)
@@ -95,7 +124,7 @@ def compute_rl_tensors(batch: SequenceBatch, cfg: AdvantageConfig,
         stats["kl_ref_sum"] = float(kl.sum())
     values = batch.data[VALUES].float() if VALUES in batch.data else None
     if cfg.estimator in ("gae", "reinforce++"):
-        tok_r = shape_rewards(scores, resp_lens, kl, cfg.kl_coef, score_clip=cfg.reward_clip,
+        tok_r = shape_rewards(scores, resp_lens, kl, kl_coef, score_clip=cfg.reward_clip,
                               score_scale=cfg.reward_scale, score_bias=cfg.reward_bias)
         if cfg.estimator == "gae":
             if values is None:
@@ -111,8 +140,8 @@ def compute_rl_tensors(batch: SequenceBatch, cfg: AdvantageConfig,
             s = s.clamp(-cfg.reward_clip, cfg.reward_clip)
         fn = grpo_advantages if cfg.estimator == "grpo" else rloo_advantages
         adv = fn(s, group_sizes, seqlens=resp_lens).float()
-        if kl is not None and cfg.kl_coef:
-            adv = adv - cfg.kl_coef * kl  # GRPO-style: KL as a per-token advantage penalty
+        if kl is not None and kl_coef:
+            adv = adv - kl_coef * kl  # GRPO-style: KL as a per-token advantage penalty
         ret = adv.clone()
     if cfg.adv_norm != "none":
         gid = None

@@ -62,11 +62,14 @@ class Master:
     def _wait(self, rids: list[int], timeout: float) -> dict[int, Any]:
         """Wait for replies, failing fast (and by name) when a worker stops heartbeating."""
         end = time.monotonic() + timeout
+        next_check = 0.0
         try:
             while True:
-                lost = set(self.lost_workers()) & {self._req_worker[r] for r in rids}
-                if lost:
-                    raise MasterError(f"worker(s) {sorted(lost)} stopped sending heartbeats; aborting the step")
+                if time.monotonic() >= next_check:  # heartbeats arrive every second: check a few times a second
+                    lost = set(self.lost_workers()) & {self._req_worker[r] for r in rids}
+                    if lost:
+                        raise MasterError(f"worker(s) {sorted(lost)} stopped sending heartbeats; aborting the step")
+                    next_check = time.monotonic() + 0.2
                 remaining = end - time.monotonic()
                 self.ep.poll(max(0.0, min(1.0, remaining)))
                 if self.ep.done(rids) or time.monotonic() >= end:

@@ -76,7 +76,8 @@ def build_ppo_family(cfg: PPOGraphConfig) -> list[MFCDef]:
              [REWARDS], cfg, cfg.inf_mb),
     ]
     if cfg.use_ref:
-        mfcs.append(_mfc("ref_inf", REF, I, "ppo_ref", {}, [INPUT_IDS], [REF_LOGPROBS], cfg, cfg.inf_mb))
+        ref_args = {"temperature": cfg.actor_args["temperature"]} if "temperature" in cfg.actor_args else {}
+        mfcs.append(_mfc("ref_inf", REF, I, "ppo_ref", ref_args, [INPUT_IDS], [REF_LOGPROBS], cfg, cfg.inf_mb))
         train_in.append(REF_LOGPROBS)
     if cfg.use_critic:
         mfcs.append(_mfc("critic_inf", CRITIC, I, "ppo_critic", cfg.critic_args, [INPUT_IDS], [VALUES],

@@ -48,7 +48,7 @@ def generator_for(model: Model, max_running: int = 256) -> Any:
 class PPOActorInterface(ModelInterface):
     n_samples: int = 1
     max_new_tokens: int = 16
-    temperature: float = 1.0
+    temperature: float = 1.0  # != 1: behaviour and trained logprobs are both of the tempered policy
     top_p: float = 1.0
     top_k: int = -1
     seed: int = 1
@@ -60,6 +60,7 @@ class PPOActorInterface(ModelInterface):
     loss_agg: str = "token-mean"
     adv: dict[str, Any] = field(default_factory=dict)  # AdvantageConfig fields
     eval_max_new_tokens: int = 16
+    eval_n_samples: int = 4  # samples per held-out prompt for sampled_accuracy (0 = greedy only)
 
     def __post_init__(self) -> None:
         self.adv_cfg = AdvantageConfig(**self.adv)
@@ -78,6 +79,7 @@ class PPOActorInterface(ModelInterface):
             seed = zlib.crc32(f"{self.seed}/{model.version}/{sid}".encode())
             params.append(SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                                          top_p=self.top_p, top_k=self.top_k, n=self.n_samples, seed=seed,
+                                         logprob_mode="raw" if self.temperature == 1.0 else "sampling",
                                          stop_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else []))
         results = gen.generate(prompts, params)
         ids, pmask, lps, no_eos = [], [], [], []
@@ -101,7 +103,7 @@ class PPOActorInterface(ModelInterface):
 
     # ---- inference: logprobs under the current weights -----------------------------------------
     def inference(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> Optional[SequenceBatch]:
-        return logprobs_batch(model, batch, mb_spec, "proximal_logprobs")
+        return logprobs_batch(model, batch, mb_spec, "proximal_logprobs", self.temperature)
 
     # ---- train ----------------------------------------------------------------------------------
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
@@ -146,10 +148,11 @@ class PPOActorInterface(ModelInterface):
         return out
 
     def _loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        t = self.temperature  # the policy being trained is the one that sampled: pi(.)^(1/T), renormalised
         if self.loss_cfg.entropy_coef:
-            lp, ent = outputs.logprobs_and_entropy(extra["targets"])
+            lp, ent = outputs.logprobs_and_entropy(extra["targets"], t)
         else:
-            lp, ent = outputs.logprobs(extra["targets"]), None
+            lp, ent = outputs.logprobs(extra["targets"], t), None
         return ppo_actor_loss(lp, extra["old"], extra["adv"], extra["mask"], self.loss_cfg,
                               seqlens=extra["lens"], entropy=ent)
 
@@ -158,31 +161,54 @@ class PPOActorInterface(ModelInterface):
 
     # ---- evaluation / save ----------------------------------------------------------------------
     def evaluate(self, model: Model, batch: SequenceBatch) -> dict[str, float]:
-        """Greedy exact match on this dp rank's held-out prompts, summed over dp ranks."""
+        """Held-out exact match of this dp rank's prompts, summed over dp ranks.
+
+        ``accuracy``: greedy decoding. ``sampled_accuracy``: the mean reward of
+        ``eval_n_samples`` samples per prompt at the training temperature -- the quantity
+        RL maximises -- with seeds fixed per prompt, so evaluations before and after
+        training compare the same random draws.
+        """
         eng = model.module
         prompts = [batch.sequences("packed_prompts", i)[0].tolist() for i in range(len(batch))]
         tok = model.tokenizer
+        stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        sampled = None
         if eng.groups.strategy.pp == 1 and not getattr(eng, "critic", False):
             gen = generator_for(model)
             res = gen.generate(prompts, SamplingParams(max_new_tokens=self.eval_max_new_tokens, temperature=0.0,
-                                                       stop_token_ids=[tok.eos_token_id]))
+                                                       stop_token_ids=stop))
             outputs = [r.output_ids for r in res]
+            if self.eval_n_samples:
+                params = [SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                                         top_p=self.top_p, top_k=self.top_k, n=self.eval_n_samples,
+                                         seed=zlib.crc32(f"eval/{self.seed}/{sid}".encode()), stop_token_ids=stop)
+                          for sid in batch.ids]
+                res = gen.generate(prompts, params)
+                k = self.eval_n_samples
+                sampled = sum(_correct(tok, r.output_ids, batch.metadata["answer"][i // k]) for i, r in enumerate(res))
         else:
             outputs = eng.greedy_generate(prompts, self.eval_max_new_tokens, tok.eos_token_id)
-        correct = sum(verify_answer(tok.decode(o, skip_special_tokens=True), a, allow_last_number=False).reward
-                      for o, a in zip(outputs, batch.metadata["answer"]))
-        n_correct, n_total = eng.dp_sum([float(correct), float(len(prompts))])
-        return {"accuracy": n_correct / max(n_total, 1.0), "n_eval": n_total}
+        correct = sum(_correct(tok, o, a) for o, a in zip(outputs, batch.metadata["answer"]))
+        n_correct, n_total, n_sampled = eng.dp_sum([float(correct), float(len(prompts)), float(sampled or 0.0)])
+        out = {"accuracy": n_correct / max(n_total, 1.0), "n_eval": n_total}
+        if sampled is not None:
+            out["sampled_accuracy"] = n_sampled / max(n_total * self.eval_n_samples, 1.0)
+        return out
 
     def save(self, model: Model, path: str) -> None:
         model.module.save_hf(path, tokenizer_dir=getattr(model.tokenizer, "name_or_path", None))
 
 
-def logprobs_batch(model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec, key: str
-                   ) -> Optional[SequenceBatch]:
-    """Per-token logprobs of ``packed_input_ids`` under ``model`` (None on non-output ranks)."""
+def _correct(tok: Any, ids: list[int], answer: Any) -> float:
+    return verify_answer(tok.decode(ids, skip_special_tokens=True), answer, allow_last_number=False).reward
+
+
+def logprobs_batch(model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec, key: str,
+                   temperature: float = 1.0) -> Optional[SequenceBatch]:
+    """Per-token logprobs of ``packed_input_ids`` under ``model`` at ``temperature`` (None on
+    non-output ranks)."""
     lens = flat_seqlens(batch)
-    lp = model.module.logprobs(batch.data[INPUT_IDS], lens, mb_spec.max_tokens_per_mb)
+    lp = model.module.logprobs(batch.data[INPUT_IDS], lens, mb_spec.max_tokens_per_mb, temperature=temperature)
     if lp is None:
         return None
     return SequenceBatch(list(batch.ids), {key: batch.seqlens[INPUT_IDS]}, {key: lp.float()})

@@ -80,7 +80,10 @@ class PPOCriticInterface(ModelInterface):
 @register_interface("ppo_ref")
 @dataclass
 class PPORefInterface(ModelInterface):
-    """Reference-model logprobs of the generated sequences (for the KL penalty)."""
+    """Reference-model logprobs of the generated sequences (for the KL penalty), at the
+    actor's sampling temperature so that the KL compares the same kind of distribution."""
+
+    temperature: float = 1.0
 
     def inference(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> Optional[SequenceBatch]:
-        return logprobs_batch(model, batch, mb_spec, "packed_ref_logprobs")
+        return logprobs_batch(model, batch, mb_spec, "packed_ref_logprobs", self.temperature)

@@ -68,6 +68,21 @@ def arithmetic_task_reward(sample: RewardInput, strict_format: bool = False,
     return correct if arithmetic_reward(sample.response, sample.answer or "", strict_format).reward > 0 else wrong
 
 
+@register_reward("arithmetic_consistency")
+def arithmetic_consistency_reward(sample: RewardInput, consistent: float = 1.0, other: float = 0.0) -> float:
+    """``consistent`` when a reversed-digit solution agrees with itself (``"621 #### 126"``:
+    the digits before ``####`` are the final answer reversed), whether or not it is correct.
+
+    A dense, answer-free signal for our arithmetic task: it rewards the copying skill the
+    solution format needs, so it is learnable even by a weak model (used to test that RL
+    raises a reward quickly).
+    """
+    head, sep, tail = sample.response.partition("####")
+    a, b = head.strip(), tail.strip()
+    ok = bool(sep) and a.isdigit() and b.lstrip("-").isdigit() and a == b.lstrip("-")[::-1]
+    return consistent if ok else other
+
+
 @register_reward("format")
 def format_reward(sample: RewardInput, style: str = "any", present: float = 1.0, absent: float = 0.0) -> float:
     """``present`` if the response states an answer in ``style`` (any / gsm8k / boxed)."""

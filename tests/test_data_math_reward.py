@@ -199,3 +199,13 @@ def test_failing_user_reward_is_isolated_and_reported_once(caplog):
         REWARD_FUNCTIONS.unregister("test_flaky")
     with pytest.raises(ValueError, match="on_error must be 'fallback' or 'skip'"):
         RewardConfig("math", on_error="ignore")
+
+
+def test_arithmetic_consistency_reward():
+    from mfc.reward import REWARD_FUNCTIONS, RewardInput
+
+    fn = REWARD_FUNCTIONS.get("arithmetic_consistency")
+    assert fn(RewardInput("a", "621 #### 126")) == 1.0
+    assert fn(RewardInput("b", "14 #### 45")) == 0.0
+    assert fn(RewardInput("c", "42")) == 0.0
+    assert fn(RewardInput("d", "7 #### -7")) == 1.0

@@ -40,9 +40,12 @@ def fileroot(tmp_path_factory):
 
 @pytest.mark.timeout(600)
 def test_grpo_raises_reward_with_reallocation_every_step(fileroot):
-    steps = 40
-    res = _run(["realflow.apps.main_sync_ppo"], fileroot, f"max_train_steps={steps}", "batch_size=16",
-               "ppo.n_samples=8", "actor_optimizer.lr=1e-3", "seed=3")
+    # the self-consistency reward of the arithmetic format is dense enough for a weak model to learn
+    # within a CI-sized run (the correctness reward of the default is shown by main_sync_ppo itself)
+    steps = 30
+    res = _run(["realflow.apps.main_sync_ppo"], fileroot, f"max_train_steps={steps}", "batch_size=32",
+               "ppo.n_samples=8", "actor_optimizer.lr=1e-4", "reward=arithmetic_consistency",
+               "dataset.n_test=64", "seed=3")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [r for r in _stats(fileroot / "grpo-math" / "trial0") if "actor_train/reward" in r]
     assert len(rows) == steps
@@ -50,10 +53,10 @@ def test_grpo_raises_reward_with_reallocation_every_step(fileroot):
     # trained weights: KL(behaviour || trainer) on the first mini-batch is at fp32 round-off
     assert all(r["actor_gen/hooks_pre_s"] > 0 for r in rows)
     assert max(r["actor_train/gen_train_kl"] for r in rows) < 1e-8, [r["actor_train/gen_train_kl"] for r in rows]
-    first = sum(r["actor_train/reward"] for r in rows[:10]) / 10
-    last = sum(r["actor_train/reward"] for r in rows[-10:]) / 10
-    assert last > first + 0.1, (first, last)
-    assert "held-out accuracy:" in res.stdout
+    first = sum(r["actor_train/reward"] for r in rows[:5]) / 5
+    last = sum(r["actor_train/reward"] for r in rows[-5:]) / 5
+    assert last > first + 0.2, (first, last)
+    assert "held-out sampled_accuracy:" in res.stdout
 
 
 @pytest.mark.timeout(600)

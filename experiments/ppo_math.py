@@ -157,7 +157,7 @@ class _RLBase(BaseExperimentConfig):
         return f"actor_train:d{n // 2}t2,*:d{n}"  # train tensor-parallel, generate data-parallel
 
 
-def _rl_fields(name: str, graph: str, lr: float, steps: int, batch: int) -> Any:
+def _rl_fields(name: str, cls_name: str, graph: str, lr: float, steps: int, batch: int) -> Any:
     @dataclass
     class Config(_RLBase):
         model: RLModelConfig = field(default_factory=RLModelConfig)
@@ -178,12 +178,12 @@ def _rl_fields(name: str, graph: str, lr: float, steps: int, batch: int) -> Any:
 
     Config._graph = graph
     Config._name = name
-    Config.__name__ = Config.__qualname__ = name.replace("-", "_").upper() + "Config"
+    Config.__name__ = Config.__qualname__ = cls_name
     Config.__doc__ = f"{graph.upper()} on math prompts (see experiments.ppo_math)."
     return register_experiment(name)(Config)
 
 
 # Defaults from a sweep on the SFT default's checkpoint (see the issue notes): a fresh Adam at
 # lr >= 1e-4 degrades this tiny model within tens of steps; 5e-5 keeps raising the reward.
-GRPOMathConfig = _rl_fields("grpo-math", "grpo", lr=5e-5, steps=400, batch=64)
-PPOMathConfig = _rl_fields("ppo-math", "ppo", lr=5e-5, steps=200, batch=64)
+GRPOMathConfig = _rl_fields("grpo-math", "GRPOMathConfig", "grpo", lr=5e-5, steps=400, batch=64)
+PPOMathConfig = _rl_fields("ppo-math", "PPOMathConfig", "ppo", lr=5e-5, steps=200, batch=64)

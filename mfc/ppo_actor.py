@@ -17,9 +17,8 @@ import torch
 from mfc.losses import PPOActorConfig, aggregation_weight, ppo_actor_loss
 from mfc.math_reward import verify_answer
 from mfc.packed import next_token_targets
-from mfc.ppo_functional import ppo_minibatches
 from mfc.rl_batch import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, AdvantageConfig, KLPenalty,
-                          compute_rl_tensors, flat_seqlens, with_token_keys)
+                          compute_rl_tensors, flat_seqlens, run_ppo_updates)
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.generation import SamplingParams
 from realflow.api.interface import Model, ModelInterface, register_interface
@@ -111,23 +110,12 @@ class PPOActorInterface(ModelInterface):
         kl_coef = self.kl.value
         t = compute_rl_tensors(batch, self.adv_cfg, dp_sum=eng.dp_sum, kl_coef=kl_coef)
         self.kl.update(t.stats, eng.dp_sum)
-        tb = with_token_keys(batch, t)
-        totals: dict[str, float] = {}
-        n_updates = 0
-        for _, _, mini in ppo_minibatches(tb, self.ppo_epochs, self.n_minibatches, self.seed, self._step):
-            mbs = []
-            for mb in mini.micro_batches(mb_spec):
-                lens = flat_seqlens(mb)
-                targets, _ = next_token_targets(mb.data[INPUT_IDS], lens)
-                mbs.append((mb.data[INPUT_IDS], lens, {"targets": targets, "mask": mb.data["_mask"].bool(),
-                                                       "old": mb.data["_old_lp"], "adv": mb.data["_adv"],
-                                                       "lens": lens}))
-            st = eng.train_batch(mbs, self._loss, self._weight)
-            if n_updates == 0:  # before any update: the trainer must see the generator's distribution
-                gen_kl = st["approx_kl_k3_sum"] / max(st["n_loss_tokens"], 1.0)
-            n_updates += 1
-            for k, v in st.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
+        up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo_epochs, n_minibatches=self.n_minibatches,
+                             seed=self.seed, step=self._step, micro_batch=self._micro_batch,
+                             loss_fn=self._loss, weight_fn=self._weight)
+        totals, n_updates = up.totals, up.n_updates
+        # before any update the trainer must see the generator's distribution
+        gen_kl = up.first["approx_kl_k3_sum"] / max(up.first["n_loss_tokens"], 1.0)
         self._step += 1
         out = {k: v / n_updates for k, v in totals.items() if k in ("loss", "grad_norm", "lr")}
         n_tok = max(totals.get("n_loss_tokens", 0.0), 1.0)
@@ -146,6 +134,12 @@ class PPOActorInterface(ModelInterface):
             out["kl_ref"] = eng.dp_sum([t.stats["kl_ref_sum"]])[0] / max(n_act, 1.0)
             out["kl_coef"] = kl_coef
         return out
+
+    @staticmethod
+    def _micro_batch(mb: SequenceBatch, lens: list[int]) -> dict:
+        targets, _ = next_token_targets(mb.data[INPUT_IDS], lens)
+        return {"targets": targets, "mask": mb.data["_mask"].bool(), "old": mb.data["_old_lp"],
+                "adv": mb.data["_adv"], "lens": lens}
 
     def _loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:
         t = self.temperature  # the policy being trained is the one that sampled: pi(.)^(1/T), renormalised

@@ -14,8 +14,8 @@ import torch
 
 from mfc.losses import aggregation_weight, value_loss
 from mfc.ppo_actor import logprobs_batch
-from mfc.ppo_functional import ppo_minibatches
-from mfc.rl_batch import INPUT_IDS, VALUES, AdvantageConfig, KLPenalty, compute_rl_tensors, flat_seqlens, with_token_keys
+from mfc.rl_batch import (INPUT_IDS, VALUES, AdvantageConfig, KLPenalty, compute_rl_tensors, flat_seqlens,
+                          run_ppo_updates)
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.interface import Model, ModelInterface, register_interface
 
@@ -47,17 +47,12 @@ class PPOCriticInterface(ModelInterface):
         kl_coef = self.kl.value
         t = compute_rl_tensors(batch, self.adv_cfg, dp_sum=eng.dp_sum, kl_coef=kl_coef)
         self.kl.update(t.stats, eng.dp_sum)
-        tb = with_token_keys(batch, t)
-        totals: dict[str, float] = {}
-        n = 0
-        for _, _, mini in ppo_minibatches(tb, self.ppo_epochs, self.n_minibatches, self.seed, self._step):
-            mbs = [(mb.data[INPUT_IDS], flat_seqlens(mb),
-                    {"mask": mb.data["_mask"].bool(), "old": mb.data["_old_v"], "ret": mb.data["_ret"],
-                     "lens": flat_seqlens(mb)}) for mb in mini.micro_batches(mb_spec)]
-            st = eng.train_batch(mbs, self._loss, self._weight)
-            n += 1
-            for k, v in st.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
+        up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo_epochs, n_minibatches=self.n_minibatches,
+                             seed=self.seed, step=self._step,
+                             micro_batch=lambda mb, lens: {"mask": mb.data["_mask"].bool(), "old": mb.data["_old_v"],
+                                                           "ret": mb.data["_ret"], "lens": lens},
+                             loss_fn=self._loss, weight_fn=self._weight)
+        totals, n = up.totals, up.n_updates
         self._step += 1
         out = {k: totals[k] / n for k in ("loss", "grad_norm", "lr") if k in totals}
         n_tok = max(totals.get("n_loss_tokens", 0.0), 1.0)

@@ -12,13 +12,14 @@ sequence, and is scattered back to full positions for the loss.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from mfc.advantages import gae, grpo_advantages, normalize, reinforce_pp_advantages, rloo_advantages
 from mfc.kl import KLControlConfig, kl_estimate, make_kl_controller, shape_rewards
-from realflow.api.batch import SequenceBatch
+from mfc.ppo_functional import ppo_minibatches
+from realflow.api.batch import MicroBatchSpec, SequenceBatch
 
 INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS = "packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask"
 REWARDS, REF_LOGPROBS, VALUES = "rewards", "packed_ref_logprobs", "values"
@@ -170,3 +171,39 @@ def with_token_keys(batch: SequenceBatch, t: RLTensors) -> SequenceBatch:
     if t.old_values is not None:
         data["_old_v"] = t.old_values
     return SequenceBatch(list(batch.ids), {k: lens for k in data}, data)
+
+
+@dataclass
+class PPOUpdates:
+    """What :func:`run_ppo_updates` did: stats summed over optimizer steps, and the first step's."""
+
+    totals: dict[str, float]
+    n_updates: int
+    first: dict[str, float]
+
+
+def run_ppo_updates(engine: Any, batch: SequenceBatch, t: RLTensors, mb_spec: MicroBatchSpec, *, epochs: int,
+                    n_minibatches: int, seed: int, step: int,
+                    micro_batch: Callable[[SequenceBatch, list[int]], dict],
+                    loss_fn: Callable, weight_fn: Callable) -> PPOUpdates:
+    """``epochs`` x ``n_minibatches`` optimizer steps over ``batch`` with its training tensors ``t``.
+
+    Mini-batches are sample-disjoint and reshuffled per epoch (seeded by ``seed``/``step``);
+    ``micro_batch(mb, seqlens)`` builds each micro-batch's loss inputs from the keys of
+    :func:`with_token_keys` (``_mask``, ``_old_lp``, ``_adv``, ``_ret``, ``_old_v``).
+    """
+    tb = with_token_keys(batch, t)
+    totals: dict[str, float] = {}
+    first: dict[str, float] = {}
+    n = 0
+    for _, _, mini in ppo_minibatches(tb, epochs, n_minibatches, seed, step):
+        mbs = []
+        for mb in mini.micro_batches(mb_spec):
+            lens = flat_seqlens(mb)
+            mbs.append((mb.data[INPUT_IDS], lens, micro_batch(mb, lens)))
+        st = engine.train_batch(mbs, loss_fn, weight_fn)
+        first = first or dict(st)
+        n += 1
+        for k, v in st.items():
+            totals[k] = totals.get(k, 0.0) + float(v)
+    return PPOUpdates(totals, n, first)

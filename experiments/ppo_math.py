@@ -40,7 +40,6 @@ class RLDataConfig:
     n_test: int = field(default=500, metadata={"help": "generated held-out prompts"})
     difficulty: int = field(default=2, metadata={"help": "max operand digits (the SFT default's is 2)"})
     data_seed: int = field(default=1, metadata={"help": "seed of the generated prompts (the SFT default used 0)"})
-    train_ops: str = field(default="+-*", metadata={"help": "operations of the generated RL prompts (held-out: all)"})
     format: str = field(default="prompt_answer", metadata={"help": "prompt_answer | gsm8k | boxed | a registered format"})
     max_prompt_len: int = field(default=64, metadata={"help": "drop prompts longer than this (tokens)"})
 
@@ -67,28 +66,6 @@ class PPOHyperConfig:
     value_eps_clip: float = field(default=0.2, metadata={"help": "critic value clip"})
 
 
-def _ops_tag(ops: str) -> str:
-    return "".join({"+": "add", "-": "sub", "*": "mul"}.get(c, c) for c in ops)
-
-
-def _write_op_subset(data_dir: str, path: str, d: RLDataConfig) -> None:
-    """RL prompts of only some operations (e.g. where the SFT model is weakest), still disjoint
-    from the held-out set, which keeps every operation."""
-    import json
-
-    from experiments.tasks.arithmetic import generate_splits
-
-    with open(os.path.join(data_dir, "test.jsonl")) as f:
-        held_out = {json.loads(line)["prompt"] for line in f if line.strip()}
-    rows, _ = generate_splits(d.n_train, 1, d.data_seed + 1, d.difficulty, ops=d.train_ops)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in rows:
-            if r["prompt"] not in held_out:
-                f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
-
-
 class _RLBase(BaseExperimentConfig):
     """Shared by ppo-math and grpo-math (fields are declared on the dataclasses below)."""
 
@@ -103,9 +80,8 @@ class _RLBase(BaseExperimentConfig):
         tok = self.model.tokenizer_path or actor
         d = self.dataset
         data = os.path.abspath(os.path.join(self.fileroot, "data", f"arith-rl-d{d.difficulty}-s{d.data_seed}"))
-        train = os.path.join(data, "train.jsonl") if d.train_ops == "+-*" else \
-            os.path.join(data, f"train-ops{_ops_tag(d.train_ops)}.jsonl")
-        return (actor, tok, self.dataset.train_path or train, self.dataset.test_path or os.path.join(data, "test.jsonl"))
+        return (actor, tok, self.dataset.train_path or os.path.join(data, "train.jsonl"),
+                self.dataset.test_path or os.path.join(data, "test.jsonl"))
 
     def prepare(self) -> None:
         actor, _, train, _ = self._paths()
@@ -114,8 +90,6 @@ class _RLBase(BaseExperimentConfig):
             from experiments.tasks.arithmetic import ensure_dataset
 
             ensure_dataset(os.path.dirname(train), d.n_train, d.n_test, d.data_seed, d.difficulty)
-            if d.train_ops != "+-*" and not os.path.isfile(train):
-                _write_op_subset(os.path.dirname(train), train, d)
         if self.model.path or os.path.isfile(os.path.join(actor, "config.json")):
             return
         print(f"no SFT checkpoint at {actor}: running the SFT default first (python -m realflow.apps.main_sft)",

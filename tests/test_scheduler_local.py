@@ -61,8 +61,13 @@ elif mode == "ok":
 """
 
 # Launcher program for signal tests: python -c LAUNCHER LOGDIR PIDDIR [same-session]
+# A launcher started from a terminal gets Ctrl-C. Processes started in the background by a
+# non-interactive shell inherit SIGINT as *ignored* (POSIX), and Python then installs no
+# handler: restore the terminal's default so the test exercises our handling, not the
+# inherited disposition of whoever ran pytest.
 LAUNCHER = r"""
-import json, sys
+import json, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from realflow.scheduler.local import LocalScheduler
 log_dir, piddir, worker = sys.argv[1], sys.argv[2], sys.argv[3]
 extra = sys.argv[4:]
@@ -192,7 +197,15 @@ def test_wait_with_timeout_polls_without_stopping(tmp_path):
     assert not alive(pid)
 
 
-def test_ctrl_c_in_process_stops_all(tmp_path):
+@pytest.fixture
+def sigint_default():
+    """Ctrl-C raises KeyboardInterrupt here even if pytest was started with SIGINT ignored (see LAUNCHER)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_in_process_stops_all(tmp_path, sigint_default):
     with LocalScheduler(tmp_path, console=False, grace=2.0) as s:
         pids = [s.submit(f"w{i}", ["sleep", "600"]) for i in range(2)]
         timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))

@@ -47,7 +47,7 @@ import torch
 
 from realflow.base.procfs import pid_alive
 from realflow.base import shm_files
-from realflow.base.shm_files import ShmSpaceError, create_mapped
+from realflow.base.shm_files import ShmSpaceError, create_mapped, open_mapped
 from realflow.comm.codec import dtype_from_name, dtype_name, tensor_bytes
 
 __all__ = ["put_tensors", "take_tensors", "release", "cleanup_segments", "list_segments", "segment_prefix",
@@ -183,17 +183,13 @@ def take_tensors(handle: Mapping[str, Any], copy: bool = False, *, unlink: bool 
     if name is None:
         return {k: torch.empty(s["shape"], dtype=dtype_from_name(s["dtype"])) for k, s in specs.items()}
     try:
-        fd = os.open(_path(name), os.O_RDWR)
+        mm = open_mapped(name, size, populate=False)
     except FileNotFoundError:
         raise ShmError(f"shared-memory segment {name!r} not found: already taken by a consumer, released by its "
                        f"producer (pid {handle.get('pid')}), or cleaned up") from None
-    try:
-        actual = os.fstat(fd).st_size
-        if actual < size:
-            raise ShmError(f"shared-memory segment {name!r} has {actual} bytes, the handle says {size}")
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    except ValueError as e:
+        raise ShmError(f"{e} (from the handle)") from None
     finally:
-        os.close(fd)
         if unlink:
             _unlink_quiet(name)
     arr = np.frombuffer(mm, dtype=np.uint8)  # holds a buffer export: the mapping cannot be closed under us

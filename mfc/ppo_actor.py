@@ -18,7 +18,7 @@ from mfc.losses import PPOActorConfig, aggregation_weight, ppo_actor_loss
 from mfc.math_reward import verify_answer
 from mfc.packed import next_token_targets
 from mfc.rl_batch import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, AdvantageConfig, KLPenalty,
-                          compute_rl_tensors, flat_seqlens, run_ppo_updates)
+                          flat_seqlens, run_ppo_updates)
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.generation import SamplingParams
 from realflow.api.interface import Model, ModelInterface, register_interface
@@ -107,9 +107,7 @@ class PPOActorInterface(ModelInterface):
     # ---- train ----------------------------------------------------------------------------------
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
         eng = model.module
-        kl_coef = self.kl.value
-        t = compute_rl_tensors(batch, self.adv_cfg, dp_sum=eng.dp_sum, kl_coef=kl_coef)
-        self.kl.update(t.stats, eng.dp_sum)
+        t, kl_coef = self.kl.rl_tensors(batch, self.adv_cfg, eng.dp_sum)
         up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo_epochs, n_minibatches=self.n_minibatches,
                              seed=self.seed, step=self._step, micro_batch=self._micro_batch,
                              loss_fn=self._loss, weight_fn=self._weight)

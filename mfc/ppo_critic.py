@@ -14,7 +14,7 @@ import torch
 
 from mfc.losses import aggregation_weight, value_loss
 from mfc.ppo_actor import logprobs_batch
-from mfc.rl_batch import (INPUT_IDS, VALUES, AdvantageConfig, KLPenalty, compute_rl_tensors, flat_seqlens,
+from mfc.rl_batch import (INPUT_IDS, VALUES, AdvantageConfig, KLPenalty, flat_seqlens,
                           run_ppo_updates)
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.interface import Model, ModelInterface, register_interface
@@ -44,9 +44,7 @@ class PPOCriticInterface(ModelInterface):
 
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
         eng = model.module
-        kl_coef = self.kl.value
-        t = compute_rl_tensors(batch, self.adv_cfg, dp_sum=eng.dp_sum, kl_coef=kl_coef)
-        self.kl.update(t.stats, eng.dp_sum)
+        t, kl_coef = self.kl.rl_tensors(batch, self.adv_cfg, eng.dp_sum)
         up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo_epochs, n_minibatches=self.n_minibatches,
                              seed=self.seed, step=self._step,
                              micro_batch=lambda mb, lens: {"mask": mb.data["_mask"].bool(), "old": mb.data["_old_v"],

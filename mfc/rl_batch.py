@@ -89,6 +89,14 @@ class KLPenalty:
     def value(self) -> float:
         return self.ctl.value
 
+    def rl_tensors(self, batch: SequenceBatch, cfg: AdvantageConfig,
+                   dp_sum: Callable[[list[float]], list[float]]) -> tuple["RLTensors", float]:
+        """:func:`compute_rl_tensors` at the current coefficient, then adapt it; returns (tensors, coef used)."""
+        coef = self.value
+        t = compute_rl_tensors(batch, cfg, dp_sum=dp_sum, kl_coef=coef)
+        self.update(t.stats, dp_sum)
+        return t, coef
+
     def update(self, stats: dict[str, float], dp_sum: Callable[[list[float]], list[float]]) -> float:
         """Feed the step's mean per-sequence KL (summed over dp ranks); returns the new coefficient."""
         if "kl_ref_sum" in stats:

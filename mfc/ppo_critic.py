@@ -44,7 +44,7 @@ class PPOCriticInterface(ModelInterface):
 
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
         eng = model.module
-        t, kl_coef = self.kl.rl_tensors(batch, self.adv_cfg, eng.dp_sum)
+        t, _ = self.kl.rl_tensors(batch, self.adv_cfg, eng.dp_sum)
         up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo_epochs, n_minibatches=self.n_minibatches,
                              seed=self.seed, step=self._step,
                              micro_batch=lambda mb, lens: {"mask": mb.data["_mask"].bool(), "old": mb.data["_old_v"],

@@ -26,8 +26,10 @@ checked bit-exact (torch.equal) against the reference shards after the timed run
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import resource
 import socket
 import statistics
@@ -214,6 +216,7 @@ def main() -> None:
         worker(args.worker, args.store, args.out, args.iters, args.dtype, args.layers)
         return
     tmp = tempfile.mkdtemp(prefix="bench_realloc_")
+    atexit.register(shutil.rmtree, tmp, True)  # leave nothing behind in /tmp
     with socket.socket() as sock:  # a free port for the TCPStore (what a real launch uses)
         sock.bind(("127.0.0.1", 0))
         init = f"tcp://127.0.0.1:{sock.getsockname()[1]}"

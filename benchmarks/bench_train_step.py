@@ -11,6 +11,7 @@ the median step time gives tokens/s.  Goal: engine >= 0.8x plain PyTorch.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import shutil
 import statistics
@@ -87,6 +88,7 @@ def main() -> None:
     from parallel.optim import OptimizerConfig
 
     tmp = tempfile.mkdtemp(prefix="rf_bench_")
+    atexit.register(shutil.rmtree, tmp, True)  # leave nothing behind in /tmp
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
     cfg = Qwen2Config(**MODEL)
     torch.manual_seed(0)

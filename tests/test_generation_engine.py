@@ -157,6 +157,25 @@ def test_sampling_seeded_topk_topp(ckpts):
     assert (ref - torch.tensor(s.output_logprobs)).abs().max() <= LOGPROB_ATOL
 
 
+def test_mixed_batch_rows_equal_alone(ckpts):
+    """Greedy and sampled rows (different warpers and logprob modes) share a batch; each
+    row's tokens and logprobs equal its run alone (per-slot settings follow their rows
+    when finished rows leave and the batch is compacted)."""
+    path, _ = ckpts["qwen2"]
+    eng = _engine(path)
+    mk = lambda n, **kw: SamplingParams(max_new_tokens=n, ignore_eos=True, **kw)  # noqa: E731
+    params = [mk(6, temperature=0.0), mk(14, temperature=1.3, top_k=4, seed=2),
+              mk(9, temperature=0.8, top_p=0.6, seed=3, logprob_mode="sampling"),
+              mk(12, temperature=1.0, seed=4), mk(5, temperature=0.0, logprob_mode="sampling")]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    together = eng.generate(prompts, params)
+    for p, sp, r in zip(prompts, params, together):
+        alone = eng.generate([p], sp)[0]
+        assert r.output_ids == alone.output_ids and len(r.output_ids) == sp.max_new_tokens
+        assert r.output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
+    assert together[4].output_logprobs == [0.0] * 5  # greedy row, "sampling" mode: a point mass
+
+
 def test_n_samples_and_seeds(ckpts):
     path, _ = ckpts["qwen2"]
     eng = _engine(path)

@@ -58,7 +58,7 @@ class EngineConfig:
 
 class _Seq:
     __slots__ = ("rid", "request_rid", "index", "prompt", "out", "logprobs", "versions", "params",
-                 "rng", "stop_ids", "stop_window")
+                 "rng", "stop_ids", "stop_window", "samples", "truncates")
 
     def __init__(self, rid: str, request_rid: str, index: int, prompt: list[int],
                  params: SamplingParams, seed: int, stop_ids: frozenset[int]) -> None:
@@ -72,10 +72,22 @@ class _Seq:
         self.stop_ids = stop_ids
         # tokens to decode when looking for a stop string (a token is >= 1 byte, a char <= 4)
         self.stop_window = 4 * max((len(s) for s in params.stop), default=0) + 8
+        self.samples = not params.greedy
+        self.truncates = self.samples and (params.top_k > 0 or params.top_p < 1.0)
 
     def result(self, reason: dict[str, Any]) -> GenerationResult:
         return GenerationResult(self.rid, self.prompt, self.out, self.logprobs, self.versions,
                                 reason, self.request_rid, self.index)
+
+
+@dataclass
+class _RowFlags:
+    sampled: list[int]  # rows (relative) that sample rather than take the argmax
+    rows: Optional[torch.Tensor]  # the same as a tensor, None when all or none sample
+    truncate: bool  # some sampled row has top-k / top-p
+    lp_sampling: bool  # some row wants logprob_mode="sampling"
+    stop_ids: bool  # some row has stop token ids
+    stop_strings: list[int]  # rows with stop strings
 
 
 def _tp_info(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -111,7 +123,16 @@ class GenerationEngine:
         slots, dev = self.config.max_running_requests, self.weights.device
         self._last = torch.zeros(slots, dtype=torch.long, device=dev)  # token to feed next
         self._pos = torch.zeros(slots, dtype=torch.long, device=dev)  # its position
+        # per-slot sampling settings and finish conditions (set when a request joins, so a
+        # step tests every row at once instead of looping over requests in Python)
+        self._temp = torch.ones(slots, dtype=torch.float32, device=dev)
+        self._top_k = torch.zeros(slots, dtype=torch.long, device=dev)
+        self._top_p = torch.ones(slots, dtype=torch.float32, device=dev)
+        self._lp_sampling = torch.zeros(slots, dtype=torch.bool, device=dev)
+        self._budget = torch.zeros(slots, dtype=torch.long, device=dev)  # tokens it may still add
+        self._stops = torch.full((slots, 4), -1, dtype=torch.long, device=dev)  # stop ids, -1 pad
         self._ids: set[str] = set()
+        self._flags: dict[tuple[int, int], _RowFlags] = {}  # see _row_flags
         self.tokens_generated = 0
         self.steps = 0
         self.busy_seconds = 0.0
@@ -241,6 +262,7 @@ class GenerationEngine:
         """Running requests go back to the head of the queue (KV recomputed when they rejoin)."""
         self._waiting.extendleft(reversed(self._running))
         self._running = []
+        self._flags.clear()
 
     def flush_cache(self) -> None:
         """Drop every KV entry; running requests are re-prefilled at the next step."""
@@ -275,6 +297,7 @@ class GenerationEngine:
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise ValueError(f"weight_version={version!r}: must be an integer")
         self._retract()
+        self.weights.refresh()
         self.version = self.version + 1 if version is None else int(version)
         return self.version
 
@@ -308,6 +331,8 @@ class GenerationEngine:
             budget -= n
             joined.append(seq)
             self._running.append(seq)
+        if joined:
+            self._flags.clear()
         return joined
 
     def _prefill(self, row0: int, joined: list[_Seq], finished: dict[int, dict[str, Any]]) -> None:
@@ -319,30 +344,98 @@ class GenerationEngine:
             ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
         dev = self._pos.device
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        self._set_slots(row0, joined)
         logits = self.decoder.prefill(ids.to(dev), lens_t, self.cache, row0)
         self._pos[row0:row0 + len(seqs)] = lens_t
         self._accept(row0, logits, finished, decode=False)
 
+    def _set_slots(self, row0: int, joined: list[_Seq]) -> None:
+        """Write the joining requests' settings into their slots' rows."""
+        J, dev = len(joined), self._pos.device
+        rows = slice(row0, row0 + J)
+        ps = [s.params for s in joined]
+        self._temp[rows] = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps])
+        self._top_k[rows] = torch.tensor([p.top_k for p in ps], dtype=torch.long)
+        self._top_p[rows] = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
+        self._lp_sampling[rows] = torch.tensor([p.logprob_mode != "raw" for p in ps])
+        self._budget[rows] = torch.tensor(
+            [min(p.max_new_tokens, self._max_context - len(s.prompt)) - len(s.out)
+             for s, p in zip(joined, ps)], dtype=torch.long)
+        width = max(len(s.stop_ids) for s in joined)
+        if width > self._stops.shape[1]:
+            grown = torch.full((self._stops.shape[0], width), -1, dtype=torch.long, device=dev)
+            grown[:, : self._stops.shape[1]] = self._stops
+            self._stops = grown
+        table = torch.full((J, self._stops.shape[1]), -1, dtype=torch.long)
+        for i, s in enumerate(joined):
+            if s.stop_ids:
+                table[i, : len(s.stop_ids)] = torch.tensor(sorted(s.stop_ids), dtype=torch.long)
+        self._stops[rows] = table.to(dev)
+
+    def _slot_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self._last, self._pos, self._temp, self._top_k, self._top_p, self._lp_sampling,
+                self._budget, self._stops)
+
+    def _row_flags(self, row0: int, B: int) -> "_RowFlags":
+        """What rows ``row0..row0+B-1`` need beyond greedy decoding; cached until the running
+        set changes (a steady decode step then loops over no request in Python)."""
+        key = (row0, B)
+        flags = self._flags.get(key)
+        if flags is None:
+            seqs = self._running[row0:row0 + B]
+            sampled = [i for i, s in enumerate(seqs) if s.samples]
+            rows = None
+            if sampled and len(sampled) < B:
+                rows = torch.tensor(sampled, device=self._pos.device)
+            flags = _RowFlags(sampled, rows, any(seqs[i].truncates for i in sampled),
+                              any(s.params.logprob_mode != "raw" for s in seqs),
+                              any(s.stop_ids for s in seqs),
+                              [i for i, s in enumerate(seqs) if s.params.stop])
+            self._flags[key] = flags
+        return flags
+
+    def _sample_batch(self, row0: int, seqs: list[_Seq], flags: "_RowFlags") -> Optional[SampleBatch]:
+        if not flags.sampled:
+            return None
+        uniform = torch.tensor([seqs[i].rng.random() for i in flags.sampled], dtype=torch.float64,
+                               device=self._pos.device)
+        sl = slice(row0, row0 + len(seqs))
+        temp, top_k, top_p = self._temp[sl], self._top_k[sl], self._top_p[sl]
+        if flags.rows is not None:
+            temp, top_k, top_p = temp[flags.rows], top_k[flags.rows], top_p[flags.rows]
+        return SampleBatch(flags.rows, temp, top_k, top_p, uniform, truncate=flags.truncate)
+
     def _accept(self, row0: int, logits: torch.Tensor, finished: dict[int, dict[str, Any]],
                 decode: bool) -> None:
-        """Sample rows ``row0..row0+B-1`` and append to their sequences."""
+        """Sample rows ``row0..row0+B-1``, append to their sequences, find the finished ones.
+
+        Stop ids and length limits are tested for all rows at once on the
+        per-slot tensors; only rows that may have finished (and rows with stop
+        strings, which need the tokenizer) go through :meth:`_finish_reason`.
+        """
         B = logits.shape[0]
-        seqs = self._running[row0:row0 + B]
-        ps = [s.params for s in seqs]
-        batch = SampleBatch([p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps],
-                            [s.rng.random() if not p.greedy else 0.0 for s, p in zip(seqs, ps)])
-        tokens, raw, proc = sample(logits, batch)
-        self._last[row0:row0 + B] = tokens
+        sl = slice(row0, row0 + B)
+        seqs = self._running[sl]
+        flags = self._row_flags(row0, B)
+        tokens, raw, proc = sample(logits, self._sample_batch(row0, seqs, flags))
+        logprobs = torch.where(self._lp_sampling[sl], proc, raw) if flags.lp_sampling else raw
+        self._last[sl] = tokens
         if decode:  # the fed token now sits in the cache
-            self._pos[row0:row0 + B] += 1
-        toks, raws, procs = tokens.tolist(), raw.tolist(), proc.tolist()
-        self.tokens_generated += B
-        for i, seq in enumerate(seqs):
-            tok, p = toks[i], seq.params
+            self._pos[sl] += 1
+        maybe_done = self._budget[sl].sub_(1) <= 0
+        if flags.stop_ids:
+            maybe_done |= (tokens[:, None] == self._stops[sl]).any(-1)
+        toks, lps, version = tokens.tolist(), logprobs.tolist(), self.version
+        for seq, tok, lp in zip(seqs, toks, lps):
             seq.out.append(tok)
-            seq.logprobs.append(raws[i] if p.logprob_mode == "raw" else procs[i])
-            seq.versions.append(self.version)
-            reason = self._finish_reason(seq, tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(version)
+        self.tokens_generated += B
+        check = flags.stop_strings
+        if bool(maybe_done.any()):
+            check = sorted(set(check).union(maybe_done.nonzero().flatten().tolist()))
+        for i in check:
+            reason = self._finish_reason(seqs[i], toks[i])
             if reason is not None:
                 finished[row0 + i] = reason
 
@@ -363,14 +456,16 @@ class GenerationEngine:
     def _remove_rows(self, finished: dict[int, dict[str, Any]]) -> list[tuple[int, GenerationResult]]:
         """Remove rows (highest first), filling each hole with the last row (compact batch)."""
         out = []
+        if finished:
+            self._flags.clear()
         for row in sorted(finished, reverse=True):
             seq = self._running[row]
             last = len(self._running) - 1
             if row != last:
                 moved = self._running[last]
                 self.cache.move(last, row, int(self._pos[last]))
-                self._last[row] = self._last[last]
-                self._pos[row] = self._pos[last]
+                for t in self._slot_tensors():
+                    t[row] = t[last]
                 self._running[row] = moved
             self._running.pop()
             self._ids.discard(seq.rid)

@@ -11,6 +11,7 @@ the renormalised top-k distribution (the most likely token is always kept).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -19,53 +20,60 @@ __all__ = ["SampleBatch", "sample"]
 
 @dataclass
 class SampleBatch:
-    """Per-row settings of one step (lists of length B)."""
+    """The rows of one step that sample (the others are greedy).
 
-    temperature: list[float]
-    top_k: list[int]
-    top_p: list[float]
-    uniform: list[float]  # one draw in [0, 1) per row (ignored for greedy rows)
+    ``rows`` index the logits' rows (``None``: every row samples); the other
+    fields have one entry per sampled row.  Per-row settings arrive as tensors
+    the engine keeps per KV slot, so a step builds no Python lists of settings.
+    """
+
+    rows: Optional[torch.Tensor]
+    temperature: torch.Tensor  # [S] fp32, > 0
+    top_k: torch.Tensor  # [S] long, 0 = off
+    top_p: torch.Tensor  # [S] fp32, 1 = off
+    uniform: torch.Tensor  # [S] fp64 draws in [0, 1)
+    truncate: bool  # some row has top-k or top-p
 
 
-def sample(logits: torch.Tensor, b: SampleBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, b: Optional[SampleBatch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``logits [B, V]`` fp32 -> (tokens [B], raw logprobs [B], sampling logprobs [B]).
 
-    Raw logprobs are of the unmodified distribution; sampling logprobs of the
-    distribution the token was drawn from (0 for greedy rows).
+    ``b=None``: every row is greedy.  Raw logprobs are of the unmodified
+    distribution; sampling logprobs of the distribution the token was drawn
+    from (0 for greedy rows).
     """
     B, V = logits.shape
     logp = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(-1)
     proc = torch.zeros(B, dtype=torch.float32, device=logits.device)
-    rows = [i for i in range(B) if b.temperature[i] > 0.0 and b.top_k[i] != 1]
-    if rows:
-        idx = torch.tensor(rows, device=logits.device)
-        temp = torch.tensor([b.temperature[i] for i in rows], device=logits.device)
-        u = torch.tensor([b.uniform[i] for i in rows], device=logits.device, dtype=torch.float64)
-        scaled = logits[idx] / temp[:, None]
-        ks = [b.top_k[i] for i in rows]
-        ps = [b.top_p[i] for i in rows]
-        if any(k > 0 for k in ks) or any(p < 1.0 for p in ps):
-            scaled, order = scaled.sort(dim=-1, descending=True)
-        else:
-            order = None
-        probs = torch.softmax(scaled, dim=-1)
-        if order is not None:
-            if any(k > 0 for k in ks):
-                kk = torch.tensor([k if k > 0 else V for k in ks], device=logits.device)
-                probs = probs * (torch.arange(V, device=logits.device)[None, :] < kk[:, None])
-                probs = probs / probs.sum(-1, keepdim=True)
-            if any(p < 1.0 for p in ps):
-                pp = torch.tensor(ps, device=logits.device)
-                before = probs.cumsum(-1) - probs  # mass of the more likely tokens
-                probs = probs * (before < pp[:, None])
-        cdf = probs.double().cumsum(-1)
-        total = cdf[:, -1]
-        choice = torch.searchsorted(cdf, (u * total).unsqueeze(-1), right=True).squeeze(-1)
-        choice = choice.clamp_(max=V - 1)
-        chosen_p = probs.gather(1, choice[:, None]).squeeze(1).double() / total
-        tok = choice if order is None else order.gather(1, choice[:, None]).squeeze(1)
-        tokens[idx] = tok
-        proc[idx] = chosen_p.log().float()
+    if b is None:
+        tokens = logits.argmax(-1)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1), proc
+    tokens = logits.argmax(-1) if b.rows is not None else None
+    scaled = (logits if b.rows is None else logits[b.rows]) / b.temperature[:, None]
+    probs = torch.softmax(scaled, dim=-1)
+    if b.truncate:  # top-k / top-p in sorted order, then back to vocabulary order
+        srt, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(V, device=logits.device)[None, :]
+        k = torch.where(b.top_k > 0, b.top_k, V)
+        kept = srt * (ranks < k[:, None])
+        kept = kept / kept.sum(-1, keepdim=True)
+        before = kept.cumsum(-1) - kept  # mass of the more likely tokens
+        kept = kept * ((before < b.top_p[:, None]) | (b.top_p[:, None] >= 1.0))
+        truncating = (b.top_k > 0) | (b.top_p < 1.0)
+        # rows without a warper keep their probabilities bit for bit, so a row's draw never
+        # depends on which other rows share the batch
+        probs = torch.where(truncating[:, None], torch.zeros_like(probs).scatter_(1, order, kept), probs)
+    # inverse CDF in vocabulary order for every row (the same uniform -> the same token)
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1]
+    choice = torch.searchsorted(cdf, (b.uniform * total).unsqueeze(-1), right=True).squeeze(-1)
+    choice = choice.clamp_(max=V - 1)
+    chosen_p = probs.gather(1, choice[:, None]).squeeze(1).double() / total
+    tok = choice
+    if b.rows is None:
+        tokens, proc = tok, chosen_p.log().float()
+    else:
+        tokens[b.rows] = tok
+        proc[b.rows] = chosen_p.log().float()
     raw = logp.gather(1, tokens[:, None]).squeeze(1)
     return tokens, raw, proc

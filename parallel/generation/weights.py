@@ -93,6 +93,14 @@ class LayerWeights:
     ln2: torch.Tensor
     fc1_w: torch.Tensor
     fc2_w: torch.Tensor
+    # [in, out] contiguous copies of the linear weights (CPU only, see DecoderWeights)
+    qkv_t: Optional[torch.Tensor] = None
+    proj_t: Optional[torch.Tensor] = None
+    fc1_t: Optional[torch.Tensor] = None
+    fc2_t: Optional[torch.Tensor] = None
+
+    def linears(self) -> list[tuple[str, str]]:
+        return [("qkv_w", "qkv_t"), ("proj_w", "proj_t"), ("fc1_w", "fc1_t"), ("fc2_w", "fc2_t")]
 
 
 def _layer_names(i: int, spec: ModelSpec) -> dict[str, Optional[str]]:
@@ -161,6 +169,35 @@ class DecoderWeights:
                        for i in range(spec.num_layers)]
         self.dtype = self.embedding.dtype
         self.device = self.embedding.device
+        self.output_t: Optional[torch.Tensor] = None
+        if self.device.type == "cpu":
+            self._make_transposed()
+
+    # ---------------------------------------------------------------- CPU matmul layout
+
+    def _make_transposed(self) -> None:
+        """Keep ``[in, out]`` contiguous copies of every linear weight.
+
+        Why: on CPU, ``x @ W_t`` with a contiguous ``W_t`` runs 25-35% faster
+        than ``F.linear(x, W)`` at decode shapes (one thread, measured for every
+        linear of the tiny model) and gives the same result.  The copies cost
+        the linear weights' memory once more, and must follow every in-place
+        write: :meth:`refresh` (called by the engine's weight-update paths).
+        """
+        for layer in self.layers:
+            for w_name, t_name in layer.linears():
+                setattr(layer, t_name, getattr(layer, w_name).t().contiguous())
+        self.output_t = self.output.t().contiguous()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-copy the transposed weights from the (possibly shared) originals."""
+        if self.output_t is None:
+            return
+        for layer in self.layers:
+            for w_name, t_name in layer.linears():
+                getattr(layer, t_name).copy_(getattr(layer, w_name).t())
+        self.output_t.copy_(self.output.t())
 
     # ---------------------------------------------------------------- updates
 
@@ -175,7 +212,8 @@ class DecoderWeights:
 
     @torch.no_grad()
     def copy_(self, local: Mapping[str, torch.Tensor]) -> None:
-        """In-place copy (the tensors may be shared with a training module)."""
+        """In-place copy (the tensors may be shared with a training module); the
+        caller then calls :meth:`refresh` (the engine's ``weights_updated`` does)."""
         self.check_update(local)
         for name, t in local.items():
             dst = self.tensors[name]

@@ -59,7 +59,7 @@ class PPOActorInterface(ModelInterface):
     loss_agg: str = "token-mean"
     adv: dict[str, Any] = field(default_factory=dict)  # AdvantageConfig fields
     eval_max_new_tokens: int = 16
-    eval_n_samples: int = 4  # samples per held-out prompt for sampled_accuracy (0 = greedy only)
+    eval_n_samples: int = 8  # samples per held-out prompt for sampled_accuracy (0 = greedy only)
 
     def __post_init__(self) -> None:
         self.adv_cfg = AdvantageConfig(**self.adv)
@@ -155,10 +155,11 @@ class PPOActorInterface(ModelInterface):
     def evaluate(self, model: Model, batch: SequenceBatch) -> dict[str, float]:
         """Held-out exact match of this dp rank's prompts, summed over dp ranks.
 
-        ``accuracy``: greedy decoding. ``sampled_accuracy``: the mean reward of
-        ``eval_n_samples`` samples per prompt at the training temperature -- the quantity
-        RL maximises -- with seeds fixed per prompt, so evaluations before and after
-        training compare the same random draws.
+        ``accuracy``: greedy decoding. ``sampled_accuracy``: pass@1 estimated as the mean
+        exact match of ``eval_n_samples`` samples per prompt at the training temperature --
+        the quantity RL maximises, and the usual headline metric of RL for reasoning --
+        with seeds fixed per prompt, so evaluations before and after training compare the
+        same random draws.
         """
         eng = model.module
         prompts = [batch.sequences("packed_prompts", i)[0].tolist() for i in range(len(batch))]

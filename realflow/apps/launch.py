@@ -192,6 +192,12 @@ class ConsoleView:
             self.bar = None
 
 
+_METRIC_NOTES = {
+    "accuracy": "  (greedy decoding)",
+    "sampled_accuracy": "  (pass@1: mean exact match of samples at the policy's temperature)",
+}
+
+
 def _print_summary(summary: Optional[dict], run_dir: str) -> None:
     if summary is None:
         print("error: the master ended without a summary; see the logs", file=sys.stderr)
@@ -199,7 +205,8 @@ def _print_summary(summary: Optional[dict], run_dir: str) -> None:
     before, after = summary.get("eval_before"), summary.get("eval_after")
     if before and after:
         for k in sorted(after):
-            print(f"held-out {k}: {before.get(k, float('nan')):.4f} -> {after[k]:.4f}")
+            print(f"held-out {k}: {before.get(k, float('nan')):.4f} -> {after[k]:.4f}"
+                  + _METRIC_NOTES.get(k, ""))
     for role, path in (summary.get("checkpoints") or {}).items():
         print(f"saved {role} HF checkpoint: {path}")
     print(f"training time: {summary.get('train_time_s', 0):.1f}s; stats: {os.path.join(run_dir, 'stats.jsonl')}")

@@ -39,6 +39,7 @@ class Master:
         self.setup = setup
         self.lost_workers = lost_workers or (lambda: [])
         self._req_worker: dict[int, str] = {}
+        self._next_lost_check = 0.0  # monotonic time of the next heartbeat check (see _wait)
         self.plan = plan
         self.ep = endpoint
         self.workers = [names.model_worker_name(i) for i in range(setup.n_workers)]
@@ -62,14 +63,15 @@ class Master:
     def _wait(self, rids: list[int], timeout: float) -> dict[int, Any]:
         """Wait for replies, failing fast (and by name) when a worker stops heartbeating."""
         end = time.monotonic() + timeout
-        next_check = 0.0
         try:
             while True:
-                if time.monotonic() >= next_check:  # heartbeats arrive every second: check a few times a second
+                # heartbeats arrive every second: checking a few times a second is enough, and the
+                # timer spans calls (a check per call would cost every short MFC microseconds)
+                if time.monotonic() >= self._next_lost_check:
                     lost = set(self.lost_workers()) & {self._req_worker[r] for r in rids}
                     if lost:
                         raise MasterError(f"worker(s) {sorted(lost)} stopped sending heartbeats; aborting the step")
-                    next_check = time.monotonic() + 0.2
+                    self._next_lost_check = time.monotonic() + 0.2
                 remaining = end - time.monotonic()
                 self.ep.poll(max(0.0, min(1.0, remaining)))
                 if self.ep.done(rids) or time.monotonic() >= end:

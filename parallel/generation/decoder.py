@@ -177,7 +177,7 @@ class Decoder:
 
     # ------------------------------------------------------------- forward
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, cache: KVCache, slot0: int) -> torch.Tensor:
         """Right-padded prompts ``ids [J, P]`` into slots ``slot0..slot0+J-1``.
 
@@ -206,7 +206,7 @@ class Decoder:
         last = x[torch.arange(J, device=x.device), lens - 1]
         return self.logits(last)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token per row (rows ``0..B-1`` = slots) at positions ``pos``; logits [B, V].
 

@@ -84,17 +84,31 @@ class KVCache:
         return self.kt.numel() * self.kt.element_size() + self.v.numel() * self.v.element_size()
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm, op for op: normalise in fp32, cast back, scale.
+_WIDTHS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    (Written out rather than ``F.rms_norm``: on CPU that composite upcasts and
-    copies, and costs about twice as much inside the decode loop.)
+
+def _width(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` as a 0-dim fp32 tensor (cached): dividing by a tensor skips the scalar
+    wrapping and casts that a Python number costs each op on CPU."""
+    t = _WIDTHS.get((n, device))
+    if t is None:
+        t = _WIDTHS[(n, device)] = torch.tensor(float(n), dtype=torch.float32, device=device)
+    return t
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: torch.Tensor | float) -> torch.Tensor:
+    """transformers' RMSNorm, bit for bit: normalise in fp32, cast back, scale.
+
+    Written out rather than ``F.rms_norm`` (on CPU that composite upcasts and copies, and
+    costs about twice as much inside the decode loop); ``sum / n`` is exactly what
+    ``mean`` computes, and ``x * x`` exactly ``pow(2)``.  ``eps`` may be a 0-dim fp32
+    tensor (the decoder passes one, for the same reason as :func:`_width`).
     """
-    if x.dtype == torch.float32:  # the common case, without the two no-op casts
-        return w * (x * (x * x).mean(-1, keepdim=True).add_(eps).rsqrt_())  # x*x == pow(2), bitwise
-    xf = x.float()
-    xf = xf * xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
-    return w * xf.to(x.dtype)
+    xf = x if x.dtype == torch.float32 else x.float()
+    var = (xf * xf).sum(-1, keepdim=True).div_(_width(x.shape[-1], x.device)).add_(eps).rsqrt_()
+    if x.dtype == torch.float32:
+        return w * (xf * var)
+    return w * (xf * var).to(x.dtype)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, w_t: Optional[torch.Tensor],
@@ -132,6 +146,9 @@ class Decoder:
         self.cos_sin = torch.stack((self.cos, self.sin_signed), 1)  # [max_len, 2, hd]: one gather
         self.vocab_lo = s.tp_rank * s.local_vocab
         self._positions = torch.arange(max_len, device=weights.device)
+        self.eps = torch.tensor(s.eps, dtype=torch.float32, device=weights.device)  # see _rms
+        self._neg_inf = torch.tensor(float("-inf"), device=weights.device)  # decode's mask values
+        self._zero = torch.tensor(0.0, device=weights.device)
 
     # ------------------------------------------------------------- tp helpers
 
@@ -151,7 +168,7 @@ class Decoder:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the HF vocab (padding rows cut) from final hidden states [N, h]."""
-        h = _rms(h, self.w.final_norm, self.spec.eps)
+        h = _rms(h, self.w.final_norm, self.eps)
         out = _linear(h, self.w.output, self.w.output_t)
         if self.spec.tp_size > 1:
             parts = [torch.empty_like(out) for _ in range(self.spec.tp_size)]
@@ -166,12 +183,12 @@ class Decoder:
         qkv = qkv.view(*x.shape[:-1], s.local_groups, self.rep + 2, s.head_dim)
         q, k, v = qkv[..., : self.rep, :], qkv[..., self.rep, :], qkv[..., self.rep + 1, :]
         if layer.q_norm is not None:
-            q = _rms(q, layer.q_norm, s.eps)
-            k = _rms(k, layer.k_norm, s.eps)
+            q = _rms(q, layer.q_norm, self.eps)
+            k = _rms(k, layer.k_norm, self.eps)
         return q, k, v
 
     def _mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
-        h = _rms(x, layer.ln2, self.spec.eps)
+        h = _rms(x, layer.ln2, self.eps)
         gate, up = _linear(h, layer.fc1_w, layer.fc1_t).chunk(2, dim=-1)
         return self._all_reduce(_linear(F.silu(gate) * up, layer.fc2_w, layer.fc2_t))
 
@@ -191,7 +208,7 @@ class Decoder:
         cos = self.cos[:P].view(1, P, 1, 1, -1)
         sin = self.sin[:P].view(1, P, 1, 1, -1)
         for li, layer in enumerate(self.w.layers):
-            h = _rms(x, layer.ln1, s.eps)
+            h = _rms(x, layer.ln1, self.eps)
             q, k, v = self._qkv(layer, h)  # q [J, P, ng, rep, hd], k/v [J, P, ng, hd]
             q = q * cos + _rotate_half(q) * sin
             k = k * cos[:, :, 0] + _rotate_half(k) * sin[:, :, 0]
@@ -225,20 +242,20 @@ class Decoder:
         cos, sin = self.cos_sin[pos].view(B, 1, 2, 1, hd).unbind(2)
         k_idx, v_idx = cache.decode_index(pos)
         # additive mask for positions beyond each row's own, one row per query: [B*ng, rep, L]
-        bias = torch.where(self._positions[:L] > pos[:, None], float("-inf"), 0.0).to(x.dtype)
+        bias = torch.where(self._positions[:L] > pos[:, None], self._neg_inf, self._zero).to(x.dtype)
         bias = bias[:, None, None, :].expand(B, ng, rep, L).reshape(B * ng, rep, L)
         half = hd // 2
         keys_t = cache.kt[:, :B, :, :, :L].flatten(1, 2)  # [layers, B*ng, hd, L], a view
         values = cache.v[:, :B, :, :L].flatten(1, 2)  # [layers, B*ng, L, hd]
         ffn = s.ffn // s.tp_size
         for li, layer in enumerate(self.w.layers):
-            h = _rms(x, layer.ln1, s.eps)
+            h = _rms(x, layer.ln1, self.eps)
             qkv = _linear(h, layer.qkv_w, layer.qkv_t, layer.qkv_b).view(B, ng, rep + 2, hd)
             if layer.q_norm is None:
                 qk = qkv[:, :, : rep + 1]
             else:
-                qk = torch.cat((_rms(qkv[:, :, :rep], layer.q_norm, s.eps),
-                                _rms(qkv[:, :, rep:rep + 1], layer.k_norm, s.eps)), 2)
+                qk = torch.cat((_rms(qkv[:, :, :rep], layer.q_norm, self.eps),
+                                _rms(qkv[:, :, rep:rep + 1], layer.k_norm, self.eps)), 2)
             # rotate_half(x) * sin == roll(x, half) * [-sin_1, sin_2] (exact: a sign flip)
             qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
             cache.kt_flat[li].index_copy_(0, k_idx, qk[:, :, rep].reshape(-1))
@@ -247,7 +264,7 @@ class Decoder:
                                    alpha=self.scale)  # [B*ng, rep, L]
             o = torch.bmm(torch.softmax(scores, dim=-1), values[li])  # [B*ng, rep, hd]
             x.add_(self._all_reduce(_linear(o.view(B, ng * rep * hd), layer.proj_w, layer.proj_t)))
-            gate_up = _linear(_rms(x, layer.ln2, s.eps), layer.fc1_w, layer.fc1_t)
+            gate_up = _linear(_rms(x, layer.ln2, self.eps), layer.fc1_w, layer.fc1_t)
             act = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
             x.add_(self._all_reduce(_linear(act, layer.fc2_w, layer.fc2_t)))
         return self.logits(x)

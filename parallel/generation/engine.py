@@ -131,6 +131,9 @@ class GenerationEngine:
         self._lp_sampling = torch.zeros(slots, dtype=torch.bool, device=dev)
         self._budget = torch.zeros(slots, dtype=torch.long, device=dev)  # tokens it may still add
         self._stops = torch.full((slots, 4), -1, dtype=torch.long, device=dev)  # stop ids, -1 pad
+        # 0-dim operands: a Python number costs a scalar-to-tensor wrap per op on CPU
+        self._one = torch.tensor(1, dtype=torch.long, device=dev)
+        self._zero = torch.tensor(0, dtype=torch.long, device=dev)
         self._ids: set[str] = set()
         self._flags: dict[tuple[int, int], _RowFlags] = {}  # see _row_flags
         self.tokens_generated = 0
@@ -431,8 +434,8 @@ class GenerationEngine:
         logprobs = torch.where(self._lp_sampling[sl], proc, raw) if flags.lp_sampling else raw
         self._last[sl] = tokens
         if decode:  # the fed token now sits in the cache
-            self._pos[sl] += 1
-        maybe_done = self._budget[sl].sub_(1) <= 0
+            self._pos[sl] += self._one
+        maybe_done = self._budget[sl].sub_(self._one) <= self._zero
         if flags.stop_ids:
             maybe_done |= (tokens[:, None] == self._stops[sl]).any(-1)
         toks, lps, version = tokens.tolist(), logprobs.tolist(), self.version

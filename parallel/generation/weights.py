@@ -2,9 +2,10 @@
 
 Why megatron layout (not HF): the engine runs inside model workers on the same
 tensors the trainer or the parameter reallocation writes, so a weight update is
-an in-place write nobody has to convert.  :class:`DecoderWeights` only keeps
-references (``tensor.detach()`` shares storage), never copies, when built from a
-module's ``named_parameters()``.
+an in-place write nobody has to convert.  :class:`DecoderWeights` keeps references
+(``tensor.detach()`` shares storage) when built from a module's ``named_parameters()``;
+on CPU it adds ``[in, out]`` copies of the linear weights for faster matmuls, which
+``refresh()`` re-copies after an in-place write (the engine's ``weights_updated`` does).
 
 Local layout (see :mod:`parallel.hf_io`): ``linear_qkv`` rows are per query group
 ``[q heads of the group; k; v]``, this rank holding ``ng / tp`` whole groups;

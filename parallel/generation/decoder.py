@@ -52,6 +52,10 @@ class KVCache:
         # flat per-layer views for decode's index_copy_ writes
         self.kt_flat = [t.view(-1) for t in self.kt]  # one element per (slot, group, dim, pos)
         self.v_flat = [t.view(-1, hd) for t in self.v]  # one row per (slot, group, pos)
+        # flat offsets of position 0 of every (slot, group) [and dim]: decode adds the positions
+        bg = torch.arange(slots * ng, device=device)
+        self._v_base = bg * max_len
+        self._k_base = (bg[:, None] * hd + torch.arange(hd, device=device)[None, :]) * max_len
 
     def write_prefix(self, layer: int, slot0: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Prefill: ``k``/``v`` ``[J, groups, P, head_dim]`` into slots ``slot0..slot0+J-1``."""
@@ -66,11 +70,6 @@ class KVCache:
         computed once per step and shared by every layer.
         """
         n = pos.shape[0] * self.groups
-        if not hasattr(self, "_v_base") or self._v_base.device != pos.device:
-            bg = torch.arange(self.slots * self.groups, device=pos.device)
-            self._v_base = bg * self.max_len
-            self._k_base = (bg[:, None] * self.head_dim
-                            + torch.arange(self.head_dim, device=pos.device)[None, :]) * self.max_len
         pos_bg = pos[:, None].expand(-1, self.groups).reshape(n, 1)
         return (self._k_base[:n].add(pos_bg).view(-1), self._v_base[:n].add(pos_bg.view(n)))
 

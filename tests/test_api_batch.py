@@ -254,3 +254,11 @@ def test_wire_rejects_non_plain_metadata_and_bad_dicts():
         SequenceBatch.from_wire({"ids": []})
     with pytest.raises(BatchError, match="tensor dim 0"):
         SequenceBatch.from_wire({"ids": ["a"], "seqlens": {KEY: [[2]]}, "data": {KEY: torch.zeros(3)}, "metadata": {}})
+
+
+def test_meta_wire_matches_meta_to_wire():
+    b = SequenceBatch.from_samples(["a", "b"], {"x": [torch.arange(3), [torch.arange(2), torch.arange(1)]]},
+                                   metadata={"answer": ["1", "2"]})
+    assert b.meta_wire() == b.meta().to_wire()
+    with pytest.raises(BatchError, match="not a plain msgpack type"):
+        SequenceBatch.from_samples(["a"], {"x": [torch.arange(3)]}, metadata={"m": [torch.zeros(1)]}).meta_wire()

@@ -15,8 +15,8 @@ import zmq
 
 from realflow.comm import codec
 from realflow.comm.auth import SECRET_ENV, Signer, Verifier, new_secret, secret_to_hex
-from realflow.comm.rpc import (MasterEndpoint, RemoteError, RequestTimeout, WorkerEndpoint, WorkersMissing,
-                               WorkerUnreachable)
+from realflow.comm.rpc import (MasterEndpoint, RemoteError, ReplyThen, RequestTimeout, WorkerEndpoint,
+                               WorkersMissing, WorkerUnreachable)
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(120)
@@ -283,3 +283,42 @@ def test_master_restart_workers_say_hello_again():
         stop.set()
         thread.join(5)
         worker.close()
+
+
+def test_reply_then_runs_after_the_reply_and_before_the_next_request():
+    """``ReplyThen.then`` starts only once the reply is out (it waits for the test to have the reply in hand),
+    finishes before the next request is served, and a failure there refuses every later request by name."""
+    got_reply = threading.Event()
+    done: list[str] = []
+
+    def after():
+        assert got_reply.wait(10), "then() ran before the reply reached the master"
+        time.sleep(0.05)  # a slow tail: the next request must still see its effect
+        done.append("stored")
+
+    def broken_after():
+        raise OSError("disk full while storing")
+
+    handlers = {
+        "store": lambda p: ReplyThen({"ok": p}, after),
+        "seen": lambda p: list(done),
+        "fail_later": lambda p: ReplyThen("fine", broken_after),
+    }
+    with MasterEndpoint(SECRET) as m:
+        stop = threading.Event()
+        worker = WorkerEndpoint("wt", m.address, SECRET)
+        thread = threading.Thread(target=worker.serve, args=(handlers, stop))
+        thread.start()
+        try:
+            m.wait_for_workers(["wt"], timeout=10)
+            assert m.call("wt", "store", 3, timeout=10) == {"ok": 3}
+            got_reply.set()
+            assert m.call("wt", "seen", None, timeout=10) == ["stored"]
+            assert m.call("wt", "fail_later", None, timeout=10) == "fine"
+            for _ in range(2):  # sticky: the worker's state is no longer what the master believes
+                with pytest.raises(RemoteError, match=r"(?s)after replying to request \d+ \(.fail_later.\) failed.*disk full"):
+                    m.call("wt", "seen", None, timeout=10)
+        finally:
+            stop.set()
+            thread.join(5)
+            worker.close()

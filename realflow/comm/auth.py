@@ -9,7 +9,9 @@ Signed message layout (what goes on the wire after ZMQ's own routing frames)::
     [mac(32 bytes) + len(auth_header)(u16 LE) + auth_header + payload_frame_1, payload_frame_2, ...]
 
     auth_header = msgpack [version, sender, to, session, seq, ts, [len(payload_frame_i)...]]
-    mac         = HMAC-SHA256(secret, auth_header || payload_frame_1 || ... || payload_frame_n)
+    mac         = HMAC-SHA256(secret, len(auth_header) || auth_header || payload_frame_1 || ... || payload_frame_n)
+
+(the MAC covers everything after itself, so the first frame is hashed in place, without joining.)
 
 The header carries the payload frame lengths, so moving bytes between frames or
 dropping/adding a frame breaks the MAC. MAC, header and the first payload frame
@@ -42,10 +44,10 @@ import hashlib
 import hmac
 import itertools
 import os
+import struct
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import msgpack
 
@@ -106,9 +108,8 @@ def secret_from_env(var: str = SECRET_ENV, environ: Mapping[str, str] | None = N
         raise ValueError(f"environment variable {var}: {e}") from None
 
 
-@dataclass(frozen=True)
-class Envelope:
-    """The verified auth header of a message."""
+class Envelope(NamedTuple):
+    """The verified auth header of a message (a named tuple: built per message, so it must be cheap)."""
 
     sender: str
     to: str
@@ -117,16 +118,18 @@ class Envelope:
     ts: float
 
 
-_ONE_SHOT_MAX = 64 * 1024  # below this, joining the bytes and one C call beats incremental updates
+_HLEN = struct.Struct("<H")
 
 
-def _mac(key: bytes, base: Any, header: Any, frames: Sequence[Any]) -> bytes:
-    """HMAC-SHA256 over ``header || frames...`` (one-shot for small single-frame messages)."""
-    if len(frames) == 1 and len(frames[0]) < _ONE_SHOT_MAX:
-        return hmac.digest(key, b"".join((header, frames[0])), "sha256")
+def _mac(base: Any, signed_first: Any, rest: Sequence[Any]) -> bytes:
+    """HMAC-SHA256 over the first frame after its MAC (length, header, payload) and every later frame.
+
+    ``base`` is an HMAC object already keyed with the secret: copying it skips the key
+    schedule, which is most of the cost for the small control messages.
+    """
     h = base.copy()
-    h.update(header)
-    for f in frames:
+    h.update(signed_first)
+    for f in rest:
         h.update(f)
     return h.digest()
 
@@ -148,8 +151,9 @@ class Signer:
         lens = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
         header = msgpack.packb([_VERSION, self.sender, to, self.session, next(self._seq), time.time(), lens],
                                use_bin_type=True)
-        return [b"".join((_mac(self._key, self._base, header, frames), len(header).to_bytes(2, "little"), header,
-                          frames[0])), *frames[1:]]
+        body = b"".join((_HLEN.pack(len(header)), header, frames[0]))
+        rest = frames[1:]
+        return [_mac(self._base, body, rest) + body, *rest]
 
 
 class Verifier:
@@ -168,45 +172,47 @@ class Verifier:
         """Check a signed message; return the envelope and the payload frames or raise AuthError."""
         if not frames:
             raise AuthError("empty message")
-        first = memoryview(frames[0])
-        if first.ndim != 1 or first.format != "B":
-            first = first.cast("B")
-        if first.nbytes < MAC_BYTES + 2:
-            raise AuthError(f"unsigned message (first frame is {first.nbytes} bytes, too short for a MAC + header)")
-        mac = first[:MAC_BYTES]
-        hlen = int.from_bytes(first[MAC_BYTES:MAC_BYTES + 2], "little")
-        if hlen > _MAX_HEADER_BYTES or MAC_BYTES + 2 + hlen > first.nbytes:
+        first = frames[0]
+        if type(first) is not bytes:  # a zero-copy frame: look at its buffer
+            first = memoryview(first)
+            if first.ndim != 1 or first.format != "B":
+                first = first.cast("B")
+        n = len(first)
+        if n < MAC_BYTES + 2:
+            raise AuthError(f"unsigned message (first frame is {n} bytes, too short for a MAC + header)")
+        hlen = first[MAC_BYTES] | first[MAC_BYTES + 1] << 8
+        start = MAC_BYTES + 2 + hlen
+        if hlen > _MAX_HEADER_BYTES or start > n:
             raise AuthError(f"garbled auth header (claims {hlen} bytes)")
-        header = first[MAC_BYTES + 2:MAC_BYTES + 2 + hlen]
         try:
-            fields = msgpack.unpackb(header, raw=False)
+            fields = msgpack.unpackb(first[MAC_BYTES + 2:start], raw=False)
         except Exception:
             raise AuthError("garbled auth header (not msgpack)") from None
-        claimed = fields[1] if isinstance(fields, list) and len(fields) > 1 and isinstance(fields[1], str) else None
-        if not (isinstance(fields, list) and len(fields) == 7 and fields[0] == _VERSION):
+        if not (type(fields) is list and len(fields) == 7 and fields[0] == _VERSION):
+            claimed = fields[1] if type(fields) is list and len(fields) > 1 and type(fields[1]) is str else None
             raise AuthError("garbled auth header (wrong layout or version)", claimed)
         _, sender, to, session, seq, ts, lens = fields
-        if not (isinstance(sender, str) and isinstance(to, str) and isinstance(session, bytes)
-                and isinstance(seq, int) and isinstance(ts, float) and isinstance(lens, list)):
-            raise AuthError("garbled auth header (field types)", claimed)
-        payload = [first[MAC_BYTES + 2 + hlen:], *frames[1:]]
-        actual = [memoryview(f).nbytes for f in payload]
+        if not (type(sender) is str and type(to) is str and type(session) is bytes and type(seq) is int
+                and type(ts) is float and type(lens) is list):
+            raise AuthError("garbled auth header (field types)", sender if type(sender) is str else None)
+        rest = frames[1:]
+        actual = [n - start, *(memoryview(f).nbytes for f in rest)] if rest else [n - start]
         if lens != actual:
-            raise AuthError(f"frame lengths {actual} do not match the signed {lens} (truncated or spliced)", claimed)
-        if not hmac.compare_digest(_mac(self._key, self._base, header, payload), mac):
-            raise AuthError("bad signature (wrong secret or tampered frames)", claimed)
+            raise AuthError(f"frame lengths {actual} do not match the signed {lens} (truncated or spliced)", sender)
+        if not hmac.compare_digest(_mac(self._base, first[MAC_BYTES:], rest), first[:MAC_BYTES]):
+            raise AuthError("bad signature (wrong secret or tampered frames)", sender)
         if to not in self.receivers and to != "*":
-            raise AuthError(f"addressed to {to!r}, this receiver is {sorted(self.receivers)}", claimed)
+            raise AuthError(f"addressed to {to!r}, this receiver is {sorted(self.receivers)}", sender)
         key = (sender, session)
         last = self._last_seq.get(key)
         if last is not None:
             if seq <= last:
-                raise AuthError(f"replayed or duplicated message (seq {seq} <= last accepted {last})", claimed)
+                raise AuthError(f"replayed or duplicated message (seq {seq} <= last accepted {last})", sender)
             self._last_seq.move_to_end(key)
         elif abs(time.time() - ts) > self.max_age:
             raise AuthError(f"stale message from an unknown session (timestamp {time.time() - ts:.1f}s off, "
-                            f"max_age={self.max_age}s)", claimed)
+                            f"max_age={self.max_age}s)", sender)
         self._last_seq[key] = seq
         if len(self._last_seq) > self.max_sessions:
             self._last_seq.popitem(last=False)
-        return Envelope(sender, to, session, seq, ts), payload
+        return Envelope(sender, to, session, seq, ts), [first[start:], *rest]

@@ -270,10 +270,28 @@ def _tensor_from(buf: memoryview, dtype: torch.dtype, shape: list[int]) -> torch
     return t.view(dtype).reshape(shape)
 
 
+def _single_frame_ext_hook(code: int, data: bytes) -> Any:
+    """Ext types of a one-frame message: only tuples can occur (buffers would need more frames)."""
+    if code == _EXT_TUPLE:
+        return tuple(msgpack.unpackb(data, ext_hook=_single_frame_ext_hook, raw=False, strict_map_key=False))
+    if code in (_EXT_RAW, _EXT_TENSOR, _EXT_NDARRAY):
+        raise CodecError("reference to a buffer frame but the message has 1 frame")
+    raise CodecError(f"unknown msgpack ext type {code}")
+
+
 def decode(frames: Sequence[Any]) -> Any:
     """Inverse of :func:`encode`. Raises :class:`CodecError` on garbled input."""
     if not frames:
         raise CodecError("no frames to decode")
+    if len(frames) == 1:  # a control message without buffers: the common case, kept lean
+        try:
+            f = frames[0]
+            return msgpack.unpackb(f if type(f) is bytes else _as_buffer(f), ext_hook=_single_frame_ext_hook,
+                                   raw=False, strict_map_key=False)
+        except CodecError:
+            raise
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException, RuntimeError) as e:
+            raise CodecError(f"garbled message: {type(e).__name__}: {e}") from None
     bufs = [_as_buffer(f) for f in frames]
 
     def ext_hook(code: int, data: bytes) -> Any:

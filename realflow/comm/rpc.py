@@ -45,7 +45,7 @@ from realflow.comm import codec
 from realflow.comm.auth import AuthError, Signer, Verifier, check_secret
 
 __all__ = [
-    "MasterEndpoint", "WorkerEndpoint", "Request", "RpcError", "RequestTimeout", "RemoteError",
+    "MasterEndpoint", "WorkerEndpoint", "Request", "ReplyThen", "RpcError", "RequestTimeout", "RemoteError",
     "WorkersMissing", "WorkerUnreachable",
 ]
 
@@ -112,6 +112,21 @@ class Request:
 
 
 @dataclass
+class ReplyThen:
+    """A handler result that is sent before ``then()`` runs.
+
+    Why: bookkeeping that the reply does not depend on (e.g. indexing the outputs a
+    worker keeps) then overlaps with the reply's trip and the master's handling of it
+    instead of adding to the round trip. The next request is served only after
+    ``then()`` returned. If it raises, the failure is logged and every later request
+    is answered with it (the worker's state is no longer what the master believes).
+    """
+
+    result: Any
+    then: Callable[[], None]
+
+
+@dataclass
 class _Pending:
     worker: str
     handler: str
@@ -123,6 +138,8 @@ ZERO_COPY_MIN_BYTES = 64 * 1024
 _SNDMORE = int(zmq.SNDMORE)  # plain ints: combining zmq's enum flags per frame costs microseconds
 _POLLIN = int(zmq.POLLIN)
 _EVENTS = int(zmq.EVENTS)
+_RCVMORE = int(zmq.RCVMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def _readable(sock: zmq.Socket, timeout_ms: int) -> bool:
@@ -155,8 +172,8 @@ def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
 def recv_frames(sock: zmq.Socket, n_copied: int) -> list:
     """Receive one multipart message (NOBLOCK); the first ``n_copied`` parts (routing id, the signed frame with
     the codec header: small) as bytes, later parts (tensor buffers) as zero-copy ``zmq.Frame``s."""
-    frames = [sock.recv(zmq.NOBLOCK)]
-    while sock.getsockopt(zmq.RCVMORE):
+    frames = [sock.recv(_NOBLOCK)]
+    while sock.getsockopt(_RCVMORE):
         frames.append(sock.recv(copy=len(frames) < n_copied))
     return frames
 
@@ -264,6 +281,12 @@ class MasterEndpoint:
         every request that did not answer). Results of the other requests stay collectable.
         """
         ids = list(dict.fromkeys(request_ids))
+        results = self._results
+        if all(rid in results for rid in ids):  # all answered (the usual call, after done()): no waiting
+            self._raise_failed(ids)
+            for rid in ids:
+                self._pending.pop(rid, None)
+            return {rid: results.pop(rid)[1] for rid in ids}
         for rid in ids:
             if rid not in self._pending and rid not in self._results:
                 raise ValueError(f"unknown request id {rid!r} (never issued, or already collected)")
@@ -501,16 +524,18 @@ class WorkerEndpoint:
               poll_interval: float = 0.1) -> None:
         """Answer requests with ``handlers[name](payload)`` until ``stop_event`` is set.
 
-        A handler exception goes back as RemoteError text; the loop keeps serving.
+        A handler exception goes back as RemoteError text; the loop keeps serving. A
+        handler may return :class:`ReplyThen` to run bookkeeping after its reply is sent.
         """
+        broken: str | None = None  # why deferred work failed: every later request is refused with it
         while not stop_event.is_set():
             req = self.poll(poll_interval)
             if req is None:
                 continue
             fn = handlers.get(req.handler)
-            if fn is None:
-                self.reply_error(req, f"worker {self.name!r} has no handler {req.handler!r} "
-                                      f"(known: {sorted(handlers)})")
+            if broken is not None or fn is None:
+                self.reply_error(req, broken or f"worker {self.name!r} has no handler {req.handler!r} "
+                                                f"(known: {sorted(handlers)})")
                 continue
             try:
                 result = fn(req.payload)
@@ -520,10 +545,21 @@ class WorkerEndpoint:
                 except RpcError as send_err:
                     logger.error("worker %r: %s", self.name, send_err)
                 continue
+            then = None
+            if type(result) is ReplyThen:
+                result, then = result.result, result.then
             try:
                 self.reply(req, result)
             except RpcError as send_err:
                 logger.error("worker %r: %s", self.name, send_err)
+            if then is not None:
+                try:
+                    then()
+                except Exception as e:  # noqa: BLE001 - the master learns it from the next request
+                    logger.exception("worker %r: work after replying to request %d (%r) failed",
+                                     self.name, req.id, req.handler)
+                    broken = (f"worker {self.name!r} is unusable: work after replying to request {req.id} "
+                              f"({req.handler!r}) failed:\n{_error_text(e)}")
 
     def close(self) -> None:
         if not self._closed:

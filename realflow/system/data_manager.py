@@ -60,18 +60,20 @@ class DataManager:
     def get(self, ids: Iterable[str], keys: Iterable[str]) -> SequenceBatch:
         """The samples ``ids`` restricted to ``keys``, packed in the given order."""
         ids, keys = list(ids), list(keys)
+        index = self._index
         chunk_of = []
         for sid in ids:
-            entry = self._index.get(sid)
+            entry = index.get(sid)
             if entry is None:
                 raise KeyError(f"worker {self.worker_name} holds no sample '{sid}'")
-            missing = [k for k in keys if k not in entry]
-            if missing:
+            try:
+                chunk_of.append([entry[k] for k in keys])
+            except KeyError:
+                missing = [k for k in keys if k not in entry]
                 raise KeyError(
                     f"worker {self.worker_name} holds sample '{sid}' without keys {missing} "
                     f"(has {sorted(entry)})"
-                )
-            chunk_of.append([entry[k] for k in keys])
+                ) from None
         cids = {c for per in chunk_of for c in per}
         if len(cids) == 1:
             cid = cids.pop()

@@ -52,7 +52,6 @@ class Master:
         self.epoch = 0
         # weight version per role = number of its train steps so far (sent with hooks that copy weights)
         self.role_version: dict[str, int] = defaultdict(int)
-        self._out_seqlens: dict[str, dict[str, list[int]]] = defaultdict(dict)  # key -> sample -> seqlens
 
     # ---- request helpers ------------------------------------------------------
     def _request(self, worker: int, handler: str, payload: dict, timeout: float) -> int:
@@ -67,13 +66,13 @@ class Master:
             while True:
                 # heartbeats arrive every second: checking a few times a second is enough, and the
                 # timer spans calls (a check per call would cost every short MFC microseconds)
-                if time.monotonic() >= self._next_lost_check:
+                now = time.monotonic()
+                if now >= self._next_lost_check:
                     lost = set(self.lost_workers()) & {self._req_worker[r] for r in rids}
                     if lost:
                         raise MasterError(f"worker(s) {sorted(lost)} stopped sending heartbeats; aborting the step")
-                    self._next_lost_check = time.monotonic() + 0.2
-                remaining = end - time.monotonic()
-                self.ep.poll(max(0.0, min(1.0, remaining)))
+                    self._next_lost_check = now + 0.2
+                self.ep.poll(max(0.0, min(1.0, end - now)))
                 if self.ep.done(rids) or time.monotonic() >= end:
                     return self.ep.wait(rids, timeout=max(0.01, end - time.monotonic()))
         finally:
@@ -175,22 +174,8 @@ class Master:
 
     def _run_generation(self, mfcs: list[MFCDef], batch: SequenceBatch) -> dict[str, dict[str, float]]:
         """Stage inputs for, then run, every MFC of one topological generation."""
-        assignments: dict[str, dict[int, list[str]]] = {}
-        stage_reqs: dict[str, tuple[str, int]] = {}  # request id -> (mfc, destination worker)
-        for mfc in mfcs:
-            layout = self.plan.placements[mfc.name].layout
-            parts = assign_to_dp_ranks(batch, layout, self.holders)
-            assignments[mfc.name] = parts
-            for dp_rank, ids in parts.items():
-                for dest in layout.dp_members(dp_rank):
-                    for (holder, keys), sids in self._missing(ids, mfc.input_keys, dest).items():
-                        rid = self._request(holder, "stage", {"ids": sids, "keys": list(keys)}, 120.0)
-                        stage_reqs[rid] = (mfc.name, dest)
-        handles: dict[tuple[str, int], list[dict]] = defaultdict(list)
-        if stage_reqs:
-            for rid, handle in self._wait(list(stage_reqs), timeout=120.0).items():
-                handles[stage_reqs[rid]].append(handle)
-        run_reqs: dict[str, tuple[MFCDef, int]] = {}
+        assignments, handles = self._stage_inputs(mfcs, batch)
+        run_reqs: dict[int, tuple[MFCDef, int]] = {}
         hook_reqs: dict[int, tuple[str, str]] = {}
         for mfc in mfcs:
             layout = self.plan.placements[mfc.name].layout
@@ -207,22 +192,53 @@ class Master:
                 self.role_version[mfc.model_name] += 1
             hook_reqs.update(self._send_hooks(mfc, "post"))
         replies = self._wait(list(run_reqs) + list(hook_reqs), timeout=self.setup.mfc_timeout_s)
+        return self._collect(mfcs, batch, replies, run_reqs, hook_reqs)
+
+    def _stage_inputs(self, mfcs: list[MFCDef], batch: SequenceBatch
+                      ) -> tuple[dict[str, dict[int, list[str]]], dict[tuple[str, int], list[dict]]]:
+        """Assign samples to each MFC's dp ranks; have holders stage the inputs a rank's workers lack.
+
+        Returns the assignment per MFC and the shared-memory handles per (MFC, destination worker).
+        """
+        assignments: dict[str, dict[int, list[str]]] = {}
+        stage_reqs: dict[int, tuple[str, int]] = {}  # request id -> (mfc, destination worker)
+        for mfc in mfcs:
+            layout = self.plan.placements[mfc.name].layout
+            parts = assign_to_dp_ranks(batch, layout, self.holders)
+            assignments[mfc.name] = parts
+            for dp_rank, ids in parts.items():
+                for dest in layout.dp_members(dp_rank):
+                    for (holder, keys), sids in self._missing(ids, mfc.input_keys, dest).items():
+                        rid = self._request(holder, "stage", {"ids": sids, "keys": list(keys)}, 120.0)
+                        stage_reqs[rid] = (mfc.name, dest)
+        handles: dict[tuple[str, int], list[dict]] = defaultdict(list)
+        if stage_reqs:
+            for rid, handle in self._wait(list(stage_reqs), timeout=120.0).items():
+                handles[stage_reqs[rid]].append(handle)
+        return assignments, handles
+
+    def _collect(self, mfcs: list[MFCDef], batch: SequenceBatch, replies: dict[int, Any],
+                 run_reqs: dict[int, tuple[MFCDef, int]], hook_reqs: dict[int, tuple[str, str]]
+                 ) -> dict[str, dict[str, float]]:
+        """Record who holds the outputs, teach the batch the new keys' sizes, reduce stats and hook times."""
         hook_time: dict[tuple[str, str], float] = defaultdict(float)
         for rid, where in hook_reqs.items():  # slowest participant of each MFC's pre / post hooks
             hook_time[where] = max(hook_time[where], float(replies.pop(rid)["seconds"]))
-        results: dict[str, dict[str, float]] = {}
         per_mfc: dict[str, list[dict]] = defaultdict(list)
+        reported: dict[tuple[str, str], int] = defaultdict(int)  # (mfc, key) -> samples reported
+        new_seqlens: dict[str, dict[str, list[int]]] = defaultdict(dict)  # key -> sample -> seqlens
         for rid, reply in replies.items():
             mfc, w = run_reqs[rid]
             if reply.get("outputs") is not None:
-                self._record_outputs(mfc, w, reply["outputs"])
+                for key, n in self._record_outputs(mfc, w, reply["outputs"], new_seqlens).items():
+                    reported[(mfc.name, key)] += n
             if reply.get("stats"):
                 per_mfc[mfc.name].append(reply["stats"])
-        for key, per_sample in self._out_seqlens.items():  # the batch's metadata learns the new keys
+        for key, per_sample in new_seqlens.items():  # the batch's metadata learns the new keys
             if all(sid in per_sample for sid in batch.ids):
                 batch.seqlens[key] = [per_sample[sid] for sid in batch.ids]
                 batch.data[key] = None
-        self._out_seqlens.clear()
+        results: dict[str, dict[str, float]] = {}
         for mfc in mfcs:
             results[mfc.name] = _mean_stats(per_mfc.get(mfc.name, []))
             for phase in ("pre", "post"):
@@ -230,6 +246,8 @@ class Master:
                     results[mfc.name][f"hooks_{phase}_s"] = hook_time[(mfc.name, phase)]
             if mfc.interface_type != ModelInterfaceType.TRAIN_STEP:
                 for key in mfc.output_keys:
+                    if reported[(mfc.name, key)] >= len(batch.ids):
+                        continue  # dp ranks report disjoint samples: all of them were reported
                     missing = [sid for sid in batch.ids if not self.holders.get((sid, key))]
                     if missing:
                         raise MasterError(
@@ -254,15 +272,18 @@ class Master:
                 rids[self._request(w, "hook", payload, self.setup.mfc_timeout_s)] = (mfc.name, phase)
         return rids
 
-    def _record_outputs(self, mfc: MFCDef, worker: int, wire: Any) -> None:
+    def _record_outputs(self, mfc: MFCDef, worker: int, wire: Any,
+                        new_seqlens: dict[str, dict[str, list[int]]]) -> dict[str, int]:
         """Note that ``worker`` now holds the output keys it reported (metadata of its reply).
 
         Only ids and key names are needed here, so the reply is checked for shape rather
         than rebuilt into a SequenceBatch (this runs once per MFC per dp head, per step).
+        Tensor keys' sizes go into ``new_seqlens``; returns the number of samples per key.
         """
         try:
-            ids, keys = wire["ids"], [*wire["seqlens"], *wire["metadata"]]
-            if not all(isinstance(i, str) for i in ids):
+            ids, seqlens = wire["ids"], wire["seqlens"]
+            keys = [*seqlens, *wire["metadata"]]
+            if not all(type(i) is str for i in ids):
                 raise TypeError("non-str sample id")
         except (KeyError, TypeError) as e:
             raise MasterError(f"MFC '{mfc.name}': worker {self.workers[worker]} returned malformed "
@@ -271,21 +292,26 @@ class Master:
         for sid in ids:
             for key in keys:
                 holders[(sid, key)].add(worker)
-        for key, lens in wire["seqlens"].items():  # sizes of new keys, for token balancing downstream
-            self._out_seqlens[key].update(zip(ids, lens))
+        for key, lens in seqlens.items():  # sizes of new keys, for token balancing downstream
+            new_seqlens[key].update(zip(ids, lens))
+        return dict.fromkeys(keys, len(ids))
 
     def _missing(self, ids: list[str], keys, dest: int) -> dict[tuple[int, tuple[str, ...]], list[str]]:
         """Group the (sample, key) pairs ``dest`` lacks by the worker that will send them."""
-        by_sample: dict[str, dict[int, list[str]]] = {}
+        holders = self.holders
+        lacking: list[tuple[str, str, int]] = []  # (sample, key, sender): usually none
         for sid in ids:
-            per_holder: dict[int, list[str]] = defaultdict(list)
             for key in keys:
-                held = self.holders.get((sid, key))
+                held = holders.get((sid, key))
                 if not held:
                     raise MasterError(f"no worker holds key '{key}' of sample '{sid}'")
                 if dest not in held:
-                    per_holder[min(held)].append(key)
-            by_sample[sid] = per_holder
+                    lacking.append((sid, key, min(held)))
+        if not lacking:
+            return {}
+        by_sample: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+        for sid, key, holder in lacking:
+            by_sample[sid][holder].append(key)
         groups: dict[tuple[int, tuple[str, ...]], list[str]] = defaultdict(list)
         for sid, per_holder in by_sample.items():
             for holder, ks in per_holder.items():

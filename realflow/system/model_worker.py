@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,19 +20,32 @@ from realflow.api.batch import SequenceBatch
 from realflow.api.data_source import load_dataset_shard
 from realflow.api.experiment import ExperimentSetup
 from realflow.api.interface import make_interface
-from realflow.api.mfc import ModelInterfaceType
+from realflow.api.mfc import MFCDef, ModelInterfaceType
 from realflow.base import names
 from realflow.base.logging import get_logger
 from realflow.base.network import find_free_port, host_address
 from realflow.base.seeding import set_seed
 from realflow.base.trace import Tracer
 from realflow.comm import shm
+from realflow.comm.rpc import ReplyThen
 from realflow.system.data_manager import DataManager
 from realflow.system.data_stream import ShardStream
 from realflow.system.model_store import ModelStore
 from realflow.system.plan import ExecutionPlan
 
 logger = get_logger("model_worker")
+
+
+@dataclass
+class _MFCCall:
+    """What running one MFC on this worker needs, resolved once (not per call: dispatch is latency-bound)."""
+
+    mfc: MFCDef
+    model: Any
+    iface: Any
+    fn: Any  # the bound generate/inference method (None for train_step)
+    is_train: bool
+    is_head: bool  # this worker reports the dp rank's outputs
 
 
 class ModelWorker:
@@ -48,6 +62,7 @@ class ModelWorker:
         self.eval_batch: SequenceBatch | None = None
         self.tracer = Tracer(self.name, enabled=setup.trace)
         self.on_finish = on_finish
+        self._calls: dict[str, _MFCCall] = {}  # per MFC name, filled on its first run
 
     # ---- handlers ---------------------------------------------------------------
     def handlers(self) -> dict[str, Any]:
@@ -102,34 +117,47 @@ class ModelWorker:
             return self.data.stage(payload["ids"], payload["keys"])
 
     def run_mfc(self, payload: dict) -> dict:
-        mfc = self.plan.graph.mfc(payload["mfc"])
-        with self.tracer.span(f"receive:{mfc.name}"):
-            for handle in payload.get("receive", []):
-                self.data.receive(handle)
+        call = self._calls.get(payload["mfc"]) or self._prepare_call(payload["mfc"])
+        mfc = call.mfc
+        handles = payload.get("receive")
+        if handles:
+            with self.tracer.span(f"receive:{mfc.name}"):
+                for handle in handles:
+                    self.data.receive(handle)
         batch = self.data.get(payload["ids"], mfc.input_keys)
         batch = batch.remap_keys(mfc.input_key_remap) if mfc.input_key_remap else batch
-        layout = self.plan.placements[mfc.name].layout
-        model = self.store.model(mfc.model_name, layout)
-        iface = self.interfaces[mfc.name]
-        dp_rank = layout.coords(self.index)[0]
-        is_head = layout.dp_head(dp_rank) == self.index
         with self.tracer.span(mfc.name, type=mfc.interface_type.name, n=len(batch)):
-            if mfc.interface_type == ModelInterfaceType.TRAIN_STEP:
-                stats = iface.train_step(model, batch, mfc.mb_spec)
-                model.version += 1
-                return {"stats": stats if is_head else None, "outputs": None}
-            fn = iface.generate if mfc.interface_type == ModelInterfaceType.GENERATE else iface.inference
-            out = fn(model, batch, mfc.mb_spec)
+            if call.is_train:
+                stats = call.iface.train_step(call.model, batch, mfc.mb_spec)
+                call.model.version += 1
+                return {"stats": stats if call.is_head else None, "outputs": None}
+            out = call.fn(call.model, batch, mfc.mb_spec)
         if out is None:  # tensor/pipeline ranks other than the dp head may return nothing
-            if is_head:
+            if call.is_head:
                 raise RuntimeError(f"MFC '{mfc.name}': interface '{mfc.interface_impl}' returned no outputs "
                                    f"on the data-parallel head (worker {self.index})")
             return {"stats": None, "outputs": None}
         if mfc.output_key_remap:
             out = out.remap_keys(mfc.output_key_remap)
-        out = out.select_keys([k for k in mfc.output_keys if k in out.seqlens or k in out.metadata])
-        self.data.put(out)
-        return {"stats": None, "outputs": out.meta().to_wire() if is_head else None}
+        produced = [k for k in mfc.output_keys if k in out.seqlens or k in out.metadata]
+        if len(produced) != len(out.seqlens) + len(out.metadata):  # drop what the graph does not ask for
+            out = out.select_keys(produced)
+        # the reply needs only the outputs' metadata: store them while it travels
+        return ReplyThen({"stats": None, "outputs": out.meta_wire() if call.is_head else None},
+                         lambda: self.data.put(out))
+
+    def _prepare_call(self, name: str) -> "_MFCCall":
+        """Resolve once what every call of MFC ``name`` on this worker needs (models exist after setup)."""
+        mfc = self.plan.graph.mfc(name)
+        layout = self.plan.placements[name].layout
+        iface = self.interfaces[name]
+        is_train = mfc.interface_type == ModelInterfaceType.TRAIN_STEP
+        fn = None if is_train else (iface.generate if mfc.interface_type == ModelInterfaceType.GENERATE
+                                    else iface.inference)
+        call = _MFCCall(mfc=mfc, model=self.store.model(mfc.model_name, layout), iface=iface, fn=fn,
+                        is_train=is_train, is_head=layout.dp_head(layout.coords(self.index)[0]) == self.index)
+        self._calls[name] = call
+        return call
 
     def hook(self, payload: dict) -> dict:
         """Run the ``i``-th pre/post hook of an MFC (see :mod:`realflow.system.model_store`)."""

@@ -8,6 +8,7 @@ runtime decides *how* (which path, which buffers).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Union
 
@@ -38,9 +39,13 @@ class Layout:
         s = self.strategy
         return (i // s.tp) % s.dp, i % s.tp, i // (s.tp * s.dp)
 
-    def dp_members(self, dp_rank: int) -> list[int]:
+    def dp_members(self, dp_rank: int) -> tuple[int, ...]:
         """Every worker that belongs to data-parallel rank ``dp_rank``."""
-        return [w for w in self.workers if self.coords(w)[0] == dp_rank]
+        return self._dp_members[dp_rank]
+
+    @functools.cached_property
+    def _dp_members(self) -> tuple[tuple[int, ...], ...]:  # asked per MFC call: computed once per layout
+        return tuple(tuple(w for w in self.workers if self.coords(w)[0] == d) for d in range(self.strategy.dp))
 
     def dp_head(self, dp_rank: int) -> int:
         """The worker that holds the outputs of ``dp_rank``: tp rank 0 of the last stage."""

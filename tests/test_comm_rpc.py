@@ -316,7 +316,8 @@ def test_reply_then_runs_after_the_reply_and_before_the_next_request():
             assert m.call("wt", "seen", None, timeout=10) == ["stored"]
             assert m.call("wt", "fail_later", None, timeout=10) == "fine"
             for _ in range(2):  # sticky: the worker's state is no longer what the master believes
-                with pytest.raises(RemoteError, match=r"(?s)after replying to request \d+ \(.fail_later.\) failed.*disk full"):
+                refused = r"(?s)after replying to request \d+ \(.fail_later.\) failed.*disk full"
+                with pytest.raises(RemoteError, match=refused):
                     m.call("wt", "seen", None, timeout=10)
         finally:
             stop.set()

@@ -167,6 +167,17 @@ def _check_plain(value: Any, where: str) -> None:
     )
 
 
+def _raise_bad_ids(ids: list) -> None:
+    """The precise complaint about sample ids that failed the fast check (non-str or repeated)."""
+    seen: set[str] = set()
+    for i in ids:
+        if not isinstance(i, str):
+            raise BatchError(f"sample ids must be str, got {type(i).__name__} {i!r}")
+        if i in seen:
+            raise BatchError(f"duplicate sample id {i!r} in batch")
+        seen.add(i)
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -187,16 +198,13 @@ class SequenceBatch:
     metadata: dict[str, list] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.ids = list(self.ids)
-        seen: set[str] = set()
-        for i in self.ids:
-            if not isinstance(i, str):
-                raise BatchError(f"sample ids must be str, got {type(i).__name__} {i!r}")
-            if i in seen:
-                raise BatchError(f"duplicate sample id {i!r} in batch")
-            seen.add(i)
-        n = len(self.ids)
-        if set(self.seqlens) != set(self.data):
+        # Validation runs on every batch built from outside data (interfaces, the wire), so each check
+        # is one pass in C over the whole batch; the precise error is worked out only once one fails.
+        self.ids = ids = list(self.ids)
+        n = len(ids)
+        if n and (set(map(type, ids)) != {str} or len(set(ids)) != n):
+            _raise_bad_ids(ids)
+        if self.seqlens.keys() != self.data.keys():
             only_s = sorted(set(self.seqlens) - set(self.data))
             only_d = sorted(set(self.data) - set(self.seqlens))
             raise BatchError(f"keys with seqlens but no data entry: {only_s}; keys with data but no seqlens: {only_d}")
@@ -207,10 +215,11 @@ class SequenceBatch:
             if len(per_sample) != n:
                 raise BatchError(f"key {key!r}: seqlens has {len(per_sample)} samples but the batch has {n} ids")
             try:
-                norm = [[int(x) for x in lens] for lens in per_sample]
+                norm = [list(map(int, lens)) for lens in per_sample]
             except (TypeError, ValueError):
                 raise BatchError(f"key {key!r}: seqlens must be a list (per sample) of lists of ints") from None
-            if any(x < 0 for lens in norm for x in lens):
+            flat = list(itertools.chain.from_iterable(norm))
+            if flat and min(flat) < 0:
                 raise BatchError(f"key {key!r}: negative sequence length in seqlens")
             seqlens[key] = norm
             t = self.data[key]
@@ -220,7 +229,7 @@ class SequenceBatch:
                 raise BatchError(f"key {key!r}: data must be a torch.Tensor or None, got {type(t).__name__}")
             if t.dim() == 0:
                 raise BatchError(f"key {key!r}: data tensor must have at least one dimension (dim 0 = tokens)")
-            total = sum(sum(lens) for lens in norm)
+            total = sum(flat)
             if t.shape[0] != total:
                 raise BatchError(f"key {key!r}: tensor dim 0 is {t.shape[0]} but its seqlens sum to {total}")
         self.seqlens = seqlens

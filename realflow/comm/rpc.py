@@ -211,7 +211,8 @@ def _error_text(exc: BaseException | str) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
 
 
-def _encode(msg: dict, what: str) -> list:
+def _encode(msg: dict, what: Callable[[], str]) -> list:
+    """``codec.encode(msg)``; an unencodable payload/result raises TypeError naming ``what()`` and the path."""
     try:
         return codec.encode(msg)
     except TypeError:
@@ -219,7 +220,7 @@ def _encode(msg: dict, what: str) -> list:
         try:
             codec.encode(msg.get("p", msg.get("r")))
         except TypeError as e:
-            raise TypeError(f"{what}: {str(e).replace(' at obj', ' at payload', 1)}") from None
+            raise TypeError(f"{what()}: {str(e).replace(' at obj', ' at payload', 1)}") from None
         raise
 
 
@@ -267,9 +268,10 @@ class MasterEndpoint:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         rid = next(self._ids)
         deadline = time.time() + timeout
+        # (error texts are built only on failure: formatting them costs microseconds on every call)
         frames = _encode({"k": "req", "id": rid, "h": handler, "dl": deadline, "p": payload},
-                         f"request {handler!r} to worker {worker!r}")
-        self._send(worker, frames, f"request {handler!r} (id {rid})")
+                         lambda: f"request {handler!r} to worker {worker!r}")
+        self._send(worker, frames, lambda: f"request {handler!r} (id {rid})")
         self._pending[rid] = _Pending(worker, handler, deadline)
         return rid
 
@@ -359,16 +361,16 @@ class MasterEndpoint:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _send(self, worker: str, frames: list, what: str) -> None:
+    def _send(self, worker: str, frames: list, what: Callable[[], str]) -> None:
         signed = self._signer.sign(frames, to=worker)
         try:
             send_frames(self._sock, [worker.encode(), *signed], zmq.NOBLOCK)
         except zmq.Again:
-            raise RpcError(f"{what}: send queue to worker {worker!r} is full ({HWM} messages); "
+            raise RpcError(f"{what()}: send queue to worker {worker!r} is full ({HWM} messages); "
                            "is the worker alive and reading?") from None
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
-                raise WorkerUnreachable(f"{what}: worker {worker!r} is not connected to master at {self.address} "
+                raise WorkerUnreachable(f"{what()}: worker {worker!r} is not connected to master at {self.address} "
                                         f"(registered: {sorted(self._workers)})") from None
             raise
 
@@ -510,15 +512,15 @@ class WorkerEndpoint:
         """Send the handler's result back (an unencodable result is reported as an error instead)."""
         try:
             frames = _encode({"k": "rep", "id": request.id, "ok": True, "r": result},
-                             f"result of handler {request.handler!r} on worker {self.name!r}")
+                             lambda: f"result of handler {request.handler!r} on worker {self.name!r}")
         except TypeError as e:
             return self.reply_error(request, e)
-        self._send(frames, f"reply to request {request.id}")
+        self._send(frames, lambda: f"reply to request {request.id}")
 
     def reply_error(self, request: Request, exc: BaseException | str) -> None:
         """Report a failure of ``request``; the master raises RemoteError with this text."""
         self._send(codec.encode({"k": "rep", "id": request.id, "ok": False, "e": _error_text(exc)}),
-                   f"error reply to request {request.id}")
+                   lambda: f"error reply to request {request.id}")
 
     def serve(self, handlers: Mapping[str, Callable[[Any], Any]], stop_event: threading.Event,
               poll_interval: float = 0.1) -> None:
@@ -576,21 +578,23 @@ class WorkerEndpoint:
     def _say_hello(self) -> None:
         self._last_hello = time.monotonic()
         try:
-            self._send(codec.encode({"k": "hello"}), "hello", timeout=0.0)
+            self._send(codec.encode({"k": "hello"}), lambda: "hello", timeout=0.0)
         except RpcError:
             pass  # retried on the next poll until welcomed
 
-    def _send(self, frames: list, what: str, timeout: float | None = None) -> None:
+    def _send(self, frames: list, what: Callable[[], str], timeout: float | None = None) -> None:
         signed = self._signer.sign(frames, to=self.master_name)
-        end = time.monotonic() + (self._send_timeout if timeout is None else timeout)
+        end = None
         while True:
             try:
-                send_frames(self._sock, signed, zmq.NOBLOCK)
+                send_frames(self._sock, signed, _NOBLOCK)
                 return
             except zmq.Again:
+                if end is None:
+                    end = time.monotonic() + (self._send_timeout if timeout is None else timeout)
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise RpcError(f"worker {self.name!r}: {what} not sent: queue to master {self.master_address} "
+                    raise RpcError(f"worker {self.name!r}: {what()} not sent: queue to master {self.master_address} "
                                    f"full ({HWM} messages) for {self._send_timeout}s") from None
                 self._sock.poll(int(min(left, 0.1) * 1000) + 1, zmq.POLLOUT)
 
@@ -618,7 +622,7 @@ class WorkerEndpoint:
                                self.name, req.id, req.handler, late)
                 self._send(codec.encode({"k": "rep", "id": req.id, "ok": False, "x": True,
                                          "e": f"expired {late:.3f}s before worker {self.name!r} received it"}),
-                           f"expiry reply to request {req.id}")
+                           lambda: f"expiry reply to request {req.id}")
                 return None
             return req
         if kind == "welcome":

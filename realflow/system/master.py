@@ -235,7 +235,7 @@ class Master:
             if reply.get("stats"):
                 per_mfc[mfc.name].append(reply["stats"])
         for key, per_sample in new_seqlens.items():  # the batch's metadata learns the new keys
-            if all(sid in per_sample for sid in batch.ids):
+            if all(map(per_sample.__contains__, batch.ids)):
                 batch.seqlens[key] = [per_sample[sid] for sid in batch.ids]
                 batch.data[key] = None
         results: dict[str, dict[str, float]] = {}
@@ -283,7 +283,7 @@ class Master:
         try:
             ids, seqlens = wire["ids"], wire["seqlens"]
             keys = [*seqlens, *wire["metadata"]]
-            if not all(type(i) is str for i in ids):
+            if set(map(type, ids)) - {str}:
                 raise TypeError("non-str sample id")
         except (KeyError, TypeError) as e:
             raise MasterError(f"MFC '{mfc.name}': worker {self.workers[worker]} returned malformed "

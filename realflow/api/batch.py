@@ -215,10 +215,14 @@ class SequenceBatch:
             if len(per_sample) != n:
                 raise BatchError(f"key {key!r}: seqlens has {len(per_sample)} samples but the batch has {n} ids")
             try:
-                norm = [list(map(int, lens)) for lens in per_sample]
+                flat = list(itertools.chain.from_iterable(per_sample))
+                if set(map(type, flat)) <= {int}:  # already ints: copy the lists
+                    norm = list(map(list, per_sample))
+                else:  # e.g. numpy or torch integers
+                    norm = [list(map(int, lens)) for lens in per_sample]
+                    flat = list(itertools.chain.from_iterable(norm))
             except (TypeError, ValueError):
                 raise BatchError(f"key {key!r}: seqlens must be a list (per sample) of lists of ints") from None
-            flat = list(itertools.chain.from_iterable(norm))
             if flat and min(flat) < 0:
                 raise BatchError(f"key {key!r}: negative sequence length in seqlens")
             seqlens[key] = norm
@@ -227,11 +231,12 @@ class SequenceBatch:
                 continue
             if not isinstance(t, torch.Tensor):
                 raise BatchError(f"key {key!r}: data must be a torch.Tensor or None, got {type(t).__name__}")
-            if t.dim() == 0:
+            shape = t.shape
+            if not shape:
                 raise BatchError(f"key {key!r}: data tensor must have at least one dimension (dim 0 = tokens)")
             total = sum(flat)
-            if t.shape[0] != total:
-                raise BatchError(f"key {key!r}: tensor dim 0 is {t.shape[0]} but its seqlens sum to {total}")
+            if shape[0] != total:
+                raise BatchError(f"key {key!r}: tensor dim 0 is {shape[0]} but its seqlens sum to {total}")
         self.seqlens = seqlens
         self.data = dict(self.data)
         metadata: dict[str, list] = {}

@@ -60,27 +60,17 @@ class DataManager:
     def get(self, ids: Iterable[str], keys: Iterable[str]) -> SequenceBatch:
         """The samples ``ids`` restricted to ``keys``, packed in the given order."""
         ids, keys = list(ids), list(keys)
-        index = self._index
-        chunk_of = []
-        for sid in ids:
-            entry = index.get(sid)
-            if entry is None:
-                raise KeyError(f"worker {self.worker_name} holds no sample '{sid}'")
-            try:
-                chunk_of.append([entry[k] for k in keys])
-            except KeyError:
-                missing = [k for k in keys if k not in entry]
-                raise KeyError(
-                    f"worker {self.worker_name} holds sample '{sid}' without keys {missing} "
-                    f"(has {sorted(entry)})"
-                ) from None
-        cids = {c for per in chunk_of for c in per}
+        entries = list(map(self._index.get, ids))
+        try:
+            cids = {entry[k] for entry in entries for k in keys}
+        except (KeyError, TypeError):  # a sample (None entry) or one of its keys is not here
+            self._raise_missing(ids, keys)
         if len(cids) == 1:
-            cid = cids.pop()
-            chunk = self._chunks[cid]
+            chunk = self._chunks[cids.pop()]
             if chunk.ids == ids:  # fast path: a whole stored batch, in order
                 return chunk.select_keys(keys)
             return chunk.select_ids(ids).select_keys(keys)
+        chunk_of = [[entry[k] for k in keys] for entry in entries]
         if ids and all(per == chunk_of[0] for per in chunk_of):
             # every sample spreads its keys over the same chunks: merge key groups
             merged = None
@@ -100,6 +90,19 @@ class DataManager:
                 sample = piece if sample is None else sample.update_(piece)
             parts.append(sample.select_keys(keys))
         return SequenceBatch.gather(parts)
+
+    def _raise_missing(self, ids: list[str], keys: list[str]) -> None:
+        for sid in ids:
+            entry = self._index.get(sid)
+            if entry is None:
+                raise KeyError(f"worker {self.worker_name} holds no sample '{sid}'")
+            missing = [k for k in keys if k not in entry]
+            if missing:
+                raise KeyError(
+                    f"worker {self.worker_name} holds sample '{sid}' without keys {missing} "
+                    f"(has {sorted(entry)})"
+                )
+        raise AssertionError("_raise_missing called for samples that are all here")
 
     def drop(self, ids: Iterable[str]) -> int:
         n = 0

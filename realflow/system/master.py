@@ -174,7 +174,7 @@ class Master:
 
     def _run_generation(self, mfcs: list[MFCDef], batch: SequenceBatch) -> dict[str, dict[str, float]]:
         """Stage inputs for, then run, every MFC of one topological generation."""
-        assignments, handles = self._stage_inputs(mfcs, batch)
+        assignments, handles, staged = self._stage_inputs(mfcs, batch)
         run_reqs: dict[int, tuple[MFCDef, int]] = {}
         hook_reqs: dict[int, tuple[str, str]] = {}
         for mfc in mfcs:
@@ -185,23 +185,27 @@ class Master:
                     payload = {"mfc": mfc.name, "ids": ids, "receive": handles.get((mfc.name, w), [])}
                     rid = self._request(w, "run_mfc", payload, self.setup.mfc_timeout_s)
                     run_reqs[rid] = (mfc, w)
-                    for sid in ids:
-                        for key in mfc.input_keys:
-                            self.holders[(sid, key)].add(w)
+                    for sids, keys in staged.get((mfc.name, w), ()):  # w now also holds what it received
+                        for sid in sids:
+                            for key in keys:
+                                self.holders[(sid, key)].add(w)
             if mfc.interface_type == ModelInterfaceType.TRAIN_STEP:
                 self.role_version[mfc.model_name] += 1
             hook_reqs.update(self._send_hooks(mfc, "post"))
         replies = self._wait(list(run_reqs) + list(hook_reqs), timeout=self.setup.mfc_timeout_s)
         return self._collect(mfcs, batch, replies, run_reqs, hook_reqs)
 
-    def _stage_inputs(self, mfcs: list[MFCDef], batch: SequenceBatch
-                      ) -> tuple[dict[str, dict[int, list[str]]], dict[tuple[str, int], list[dict]]]:
+    def _stage_inputs(self, mfcs: list[MFCDef], batch: SequenceBatch) -> tuple[
+            dict[str, dict[int, list[str]]], dict[tuple[str, int], list[dict]],
+            dict[tuple[str, int], list[tuple[list[str], tuple[str, ...]]]]]:
         """Assign samples to each MFC's dp ranks; have holders stage the inputs a rank's workers lack.
 
-        Returns the assignment per MFC and the shared-memory handles per (MFC, destination worker).
+        Returns the assignment per MFC, and per (MFC, destination worker) the shared-memory
+        handles to receive and the (samples, keys) they carry.
         """
         assignments: dict[str, dict[int, list[str]]] = {}
         stage_reqs: dict[int, tuple[str, int]] = {}  # request id -> (mfc, destination worker)
+        staged: dict[tuple[str, int], list[tuple[list[str], tuple[str, ...]]]] = defaultdict(list)
         for mfc in mfcs:
             layout = self.plan.placements[mfc.name].layout
             parts = assign_to_dp_ranks(batch, layout, self.holders)
@@ -211,11 +215,12 @@ class Master:
                     for (holder, keys), sids in self._missing(ids, mfc.input_keys, dest).items():
                         rid = self._request(holder, "stage", {"ids": sids, "keys": list(keys)}, 120.0)
                         stage_reqs[rid] = (mfc.name, dest)
+                        staged[(mfc.name, dest)].append((sids, keys))
         handles: dict[tuple[str, int], list[dict]] = defaultdict(list)
         if stage_reqs:
             for rid, handle in self._wait(list(stage_reqs), timeout=120.0).items():
                 handles[stage_reqs[rid]].append(handle)
-        return assignments, handles
+        return assignments, handles, staged
 
     def _collect(self, mfcs: list[MFCDef], batch: SequenceBatch, replies: dict[int, Any],
                  run_reqs: dict[int, tuple[MFCDef, int]], hook_reqs: dict[int, tuple[str, str]]
@@ -241,9 +246,9 @@ class Master:
         results: dict[str, dict[str, float]] = {}
         for mfc in mfcs:
             results[mfc.name] = _mean_stats(per_mfc.get(mfc.name, []))
-            for phase in ("pre", "post"):
-                if (mfc.name, phase) in hook_time:
-                    results[mfc.name][f"hooks_{phase}_s"] = hook_time[(mfc.name, phase)]
+            for (name, phase), seconds in hook_time.items():
+                if name == mfc.name:
+                    results[mfc.name][f"hooks_{phase}_s"] = seconds
             if mfc.interface_type != ModelInterfaceType.TRAIN_STEP:
                 for key in mfc.output_keys:
                     if reported[(mfc.name, key)] >= len(batch.ids):

@@ -4,9 +4,9 @@ One command:  python benchmarks/bench_rpc.py [--n 2000] [--rounds 5]
 
 Both peers of each pair are separate processes on 127.0.0.1 (master side = this
 process). Baseline: a ROUTER sends an empty frame to a DEALER in another process
-that echoes it straight back (no codec, no HMAC, no Python dispatch beyond
+that echoes it straight back (no codec, no MAC, no Python dispatch beyond
 recv/send). Ours: ``MasterEndpoint.call(worker, "noop", None)`` answered by
-``WorkerEndpoint.serve`` (msgpack codec, HMAC-SHA256 both ways, replay check,
+``WorkerEndpoint.serve`` (msgpack codec, keyed-BLAKE2b MAC both ways, replay check,
 deadline check, handler dispatch). Rounds alternate between the two so that
 machine noise hits both alike; the median round is reported.
 """
@@ -101,7 +101,7 @@ def main() -> None:
             ours_t.append(ours_round(args.n))
         raw_us, ours_us = statistics.median(raw_t) * 1e6, statistics.median(ours_t) * 1e6
         print(f"round trip, empty payload, {args.rounds} rounds x {args.n} calls, two processes on 127.0.0.1")
-        print("  baseline = raw ZMQ ROUTER -> DEALER echo -> ROUTER (bytes only: no codec, no HMAC, no dispatch)")
+        print("  baseline = raw ZMQ ROUTER -> DEALER echo -> ROUTER (bytes only: no codec, no MAC, no dispatch)")
         print(f"  raw ZMQ DEALER/ROUTER     : {raw_us:8.1f} us/round trip  (rounds: "
               f"{', '.join(f'{t * 1e6:.1f}' for t in raw_t)})")
         print(f"  realflow Master/Worker rpc: {ours_us:8.1f} us/round trip  (rounds: "

@@ -1,9 +1,9 @@
-"""HMAC signing: secrets from the environment, tampering, truncation, wrong secret, replay, addressing."""
+"""Message signing: secrets from the environment, tampering, truncation, wrong secret, replay, addressing."""
 from __future__ import annotations
 
+import struct
 import time
 
-import msgpack
 import pytest
 
 from realflow.comm.auth import (SECRET_ENV, AuthError, Signer, Verifier, check_secret, new_secret,
@@ -55,14 +55,35 @@ def test_wrong_secret_names_claimed_sender():
 
 def test_unsigned_and_garbled():
     v = Verifier(SECRET, "master")
-    def frame(header: bytes, hlen: int | None = None) -> bytes:
-        return b"\x00" * 32 + (len(header) if hlen is None else hlen).to_bytes(2, "little") + header + b"payload"
 
-    for frames in ([], [b"just one frame"], [b"a", b"b", b"c"], [frame(b"\xc1\xc1")], [frame(b"abc", hlen=500)],
-                   [frame(b"abc", hlen=5000)], [frame(msgpack.packb([1, "w0"]))],
-                   [frame(msgpack.packb([1, "w0", "master", b"s", "seq?", 1.0, [7]]))]):
-        with pytest.raises(AuthError):
+    def frame(version=2, slen=2, tlen=6, n_extra=0, names=b"w0master") -> bytes:
+        fixed = struct.pack("<BBBI8sQd", version, slen, tlen, n_extra, b"s" * 8, 1, time.time())
+        return b"\x00" * 32 + fixed + names + b"payload"
+
+    for frames, reason in (
+        ([], "empty"),
+        ([b"just one frame"], "unsigned"),
+        ([b"a", b"b", b"c"], "unsigned"),
+        ([frame(version=1)], "version"),
+        ([frame(slen=200, tlen=200)], "garbled auth header"),
+        ([frame(n_extra=1_000_000)], "garbled auth header"),
+        ([frame(n_extra=1, names=b"w0master" + b"\0" * 8)], "truncated"),  # one frame signed as two
+        ([frame()], "bad signature"),  # well-formed, but the MAC is zeros
+    ):
+        with pytest.raises(AuthError, match=reason):
             v.verify(frames)
+
+
+def test_long_secret_and_names():
+    long_secret = new_secret(100)  # longer than a BLAKE2b key: hashed down, still verifies
+    frames = Signer(long_secret, "w" * 255).sign([b"p"], to="master")
+    assert Verifier(long_secret, "master").verify(frames)[0].sender == "w" * 255
+    with pytest.raises(AuthError, match="bad signature"):
+        Verifier(new_secret(100), "master").verify(frames)
+    with pytest.raises(ValueError, match="at most 255"):
+        Signer(SECRET, "w" * 256)
+    with pytest.raises(ValueError, match="at most 255"):
+        Signer(SECRET, "w0").sign([b"p"], to="m" * 256)
 
 
 def test_truncation_and_splicing():

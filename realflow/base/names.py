@@ -5,7 +5,7 @@ experiments (and several trials of one experiment) can share one directory or on
 etcd cluster, and ``clear_subtree(trial_root(...))`` cleans exactly one run.
 
 What is published here: addresses (host:port or tcp://...), small status strings.
-What is NOT: secrets. The HMAC key of the control plane travels through a 0600
+What is NOT: secrets. The MAC key of the control plane travels through a 0600
 file or the environment, never through name resolution, which any process on the
 cluster can read (``normalize_key`` refuses key names that look like secrets).
 """

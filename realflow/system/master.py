@@ -22,6 +22,7 @@ from realflow.base import names
 from realflow.base.logging import get_logger
 from realflow.base.stats import StatsLogger
 from realflow.base.trace import Tracer, merge_traces
+from realflow.system.holders import HolderIndex, MissingKeyError
 from realflow.system.model_store import ModelStore
 from realflow.system.placement import assign_to_dp_ranks
 from realflow.system.plan import ExecutionPlan
@@ -43,7 +44,7 @@ class Master:
         self.plan = plan
         self.ep = endpoint
         self.workers = [names.model_worker_name(i) for i in range(setup.n_workers)]
-        self.holders: dict[tuple[str, str], set[int]] = defaultdict(set)
+        self.holders = HolderIndex()
         self.stats = StatsLogger(setup.run_dir)
         self.tracer = Tracer("master", enabled=setup.trace)
         self.progress = ProgressReporter(setup.run_dir)
@@ -138,8 +139,7 @@ class Master:
                 stats.update({f"{name}/{k}": v for k, v in mfc_stats.items()})
                 stats[f"time/{name}"] = time.perf_counter() - t
         self._all("drop", {"ids": batch.ids}, 60.0)
-        for key in [k for k in self.holders if k[0] in set(batch.ids)]:
-            del self.holders[key]
+        self.holders.drop(batch.ids)
         stats["time/step"] = time.perf_counter() - t0
         stats["epoch"] = self.epoch
         return stats
@@ -159,9 +159,7 @@ class Master:
                     if len(b) > need:  # we asked everyone; keep what we need, drop the rest
                         self._all("drop", {"ids": b.ids[need:]}, 60.0, workers=[i])
                         b = b.select_ids(b.ids[:need])
-                    for sid in b.ids:
-                        for key in (*b.seqlens, *b.metadata):
-                            self.holders[(sid, key)].add(i)
+                    self.holders.add(b.ids, [*b.seqlens, *b.metadata], i)
                     parts.append(b)
                     need -= len(b)
                 if r["epoch_done"]:
@@ -186,9 +184,7 @@ class Master:
                     rid = self._request(w, "run_mfc", payload, self.setup.mfc_timeout_s)
                     run_reqs[rid] = (mfc, w)
                     for sids, keys in staged.get((mfc.name, w), ()):  # w now also holds what it received
-                        for sid in sids:
-                            for key in keys:
-                                self.holders[(sid, key)].add(w)
+                        self.holders.add(sids, keys, w)
             if mfc.interface_type == ModelInterfaceType.TRAIN_STEP:
                 self.role_version[mfc.model_name] += 1
             hook_reqs.update(self._send_hooks(mfc, "post"))
@@ -253,7 +249,7 @@ class Master:
                 for key in mfc.output_keys:
                     if reported[(mfc.name, key)] >= len(batch.ids):
                         continue  # dp ranks report disjoint samples: all of them were reported
-                    missing = [sid for sid in batch.ids if not self.holders.get((sid, key))]
+                    missing = self.holders.unheld(batch.ids, key)
                     if missing:
                         raise MasterError(
                             f"MFC '{mfc.name}' did not produce key '{key}' for {len(missing)} samples "
@@ -293,35 +289,17 @@ class Master:
         except (KeyError, TypeError) as e:
             raise MasterError(f"MFC '{mfc.name}': worker {self.workers[worker]} returned malformed "
                               f"output metadata ({e!r})") from None
-        holders = self.holders
-        for sid in ids:
-            for key in keys:
-                holders[(sid, key)].add(worker)
+        self.holders.add(ids, keys, worker)
         for key, lens in seqlens.items():  # sizes of new keys, for token balancing downstream
             new_seqlens[key].update(zip(ids, lens))
         return dict.fromkeys(keys, len(ids))
 
     def _missing(self, ids: list[str], keys, dest: int) -> dict[tuple[int, tuple[str, ...]], list[str]]:
         """Group the (sample, key) pairs ``dest`` lacks by the worker that will send them."""
-        holders = self.holders
-        lacking: list[tuple[str, str, int]] = []  # (sample, key, sender): usually none
-        for sid in ids:
-            for key in keys:
-                held = holders.get((sid, key))
-                if not held:
-                    raise MasterError(f"no worker holds key '{key}' of sample '{sid}'")
-                if dest not in held:
-                    lacking.append((sid, key, min(held)))
-        if not lacking:
-            return {}
-        by_sample: dict[str, dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
-        for sid, key, holder in lacking:
-            by_sample[sid][holder].append(key)
-        groups: dict[tuple[int, tuple[str, ...]], list[str]] = defaultdict(list)
-        for sid, per_holder in by_sample.items():
-            for holder, ks in per_holder.items():
-                groups[(holder, tuple(ks))].append(sid)
-        return groups
+        try:
+            return self.holders.missing(ids, keys, dest)
+        except MissingKeyError as e:
+            raise MasterError(str(e)) from None
 
     def _evaluate(self) -> Optional[dict[str, float]]:
         if self.setup.eval is None:

@@ -8,6 +8,7 @@ same data moves the same samples.
 from __future__ import annotations
 
 from realflow.api.batch import SequenceBatch
+from realflow.system.holders import HolderIndex
 
 TOKEN_KEY = "packed_input_ids"
 
@@ -17,7 +18,8 @@ def sample_tokens(batch: SequenceBatch) -> list[int]:
     return [sum(lens) for lens in batch.seqlens[key]]
 
 
-def assign_to_dp_ranks(batch: SequenceBatch, layout, holders, slack: float = 0.1) -> dict[int, list[str]]:
+def assign_to_dp_ranks(batch: SequenceBatch, layout, holders: HolderIndex, slack: float = 0.1
+                       ) -> dict[int, list[str]]:
     """Map each dp rank of ``layout`` to the ids it processes.
 
     Greedy longest-first: a sample goes to a rank that already holds it if that rank
@@ -41,7 +43,7 @@ def assign_to_dp_ranks(batch: SequenceBatch, layout, holders, slack: float = 0.1
     chosen: dict[int, int] = {}
     for idx in sorted(range(n), key=lambda i: (-tokens[i], i)):
         sid = batch.ids[idx]
-        held = {holder_rank[w] for w in holders.get((sid, first_key), ()) if w in holder_rank}
+        held = {holder_rank[w] for w in holders.holders(sid, first_key) if w in holder_rank}
         best = None
         for r in sorted(held):
             if load[r] + tokens[idx] <= target_tokens and count[r] < target_count:

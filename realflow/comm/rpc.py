@@ -58,6 +58,8 @@ HWM = 100_000
 LINGER_MS = 1000
 #: extra time after a request's deadline for its reply to arrive before ``wait`` gives up
 DEADLINE_GRACE_S = 0.25
+#: longest single blocking receive; waiters loop, re-checking their own deadlines in between
+RECV_SLICE_S = 0.1
 
 
 class RpcError(RuntimeError):
@@ -137,24 +139,26 @@ class _Pending:
 ZERO_COPY_MIN_BYTES = 64 * 1024
 _SNDMORE = int(zmq.SNDMORE)  # plain ints: combining zmq's enum flags per frame costs microseconds
 _POLLIN = int(zmq.POLLIN)
-_EVENTS = int(zmq.EVENTS)
-_RCVMORE = int(zmq.RCVMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
-def _readable(sock: zmq.Socket, timeout_ms: int) -> bool:
-    """Wait up to ``timeout_ms`` for a message on ``sock``.
+def receive(sock: zmq.Socket, timeout: float, n_copied: int) -> list | None:
+    """One multipart message within ``timeout`` seconds (``RECV_SLICE_S`` at most), or None.
 
-    Why not ``zmq.Poller``: its Python wrapper (lists, dicts, enum flags) costs several
-    microseconds per call, a noticeable share of an empty MFC's round trip; a pending
-    message is also seen from the socket's EVENTS without any poll.
+    Why a blocking receive bounded by the socket's RCVTIMEO (set to ``RECV_SLICE_S`` in
+    ``_socket``) rather than poll-then-receive: it makes fewer system calls per message,
+    and on virtual machines each costs microseconds, a noticeable share of an empty MFC's
+    round trip. Shorter waits go through ``zmq_poll`` (not ``zmq.Poller``: its Python
+    wrapper of lists, dicts and enum flags costs several microseconds per call).
     """
-    return bool(zmq.zmq_poll([(sock, _POLLIN)], timeout_ms))
-
-
-def _more_queued(sock: zmq.Socket) -> bool:
-    """Another whole message is waiting (checked without raising zmq.Again)."""
-    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+    try:
+        if timeout >= RECV_SLICE_S:
+            return recv_frames(sock, n_copied, 0)
+        if timeout > 0 and not zmq.zmq_poll([(sock, _POLLIN)], int(timeout * 1000)):
+            return None
+        return recv_frames(sock, n_copied, _NOBLOCK)
+    except zmq.Again:
+        return None
 
 
 def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
@@ -169,12 +173,19 @@ def send_frames(sock: zmq.Socket, frames: list, flags: int = 0) -> None:
         sock.send(f, flags | _SNDMORE if i < last else flags, copy=n < ZERO_COPY_MIN_BYTES)
 
 
-def recv_frames(sock: zmq.Socket, n_copied: int) -> list:
-    """Receive one multipart message (NOBLOCK); the first ``n_copied`` parts (routing id, the signed frame with
-    the codec header: small) as bytes, later parts (tensor buffers) as zero-copy ``zmq.Frame``s."""
-    frames = [sock.recv(_NOBLOCK)]
-    while sock.getsockopt(_RCVMORE):
-        frames.append(sock.recv(copy=len(frames) < n_copied))
+def recv_frames(sock: zmq.Socket, n_copied: int, flags: int = _NOBLOCK) -> list:
+    """Receive one multipart message; the first ``n_copied`` parts (routing id, the signed frame with the codec
+    header: small) as bytes, later parts (tensor buffers) as zero-copy ``zmq.Frame``s. ``flags`` apply to the
+    first part (0 blocks for up to the socket's RCVTIMEO, then raises zmq.Again).
+
+    Why ``Frame.more`` and not ``getsockopt(RCVMORE)``: pyzmq builds a Python enum from the
+    option number on every getsockopt, which costs more than the receive itself.
+    """
+    frame = sock.recv(flags, copy=False)
+    frames = [frame.bytes if n_copied else frame]
+    while frame.more:  # the rest of a multipart message has arrived with its first part
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames.append(frame.bytes if len(frames) < n_copied else frame)
     return frames
 
 
@@ -183,6 +194,7 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.SNDHWM, HWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.RCVTIMEO, int(RECV_SLICE_S * 1000))  # bounds a blocking receive (see receive())
     return sock
 
 
@@ -336,8 +348,17 @@ class MasterEndpoint:
             self._pump(min(end, next_probe) - now)
 
     def poll(self, timeout: float = 0.0) -> None:
-        """Process incoming messages (hellos, replies) for up to ``timeout`` seconds."""
-        self._pump(timeout)
+        """Wait up to ``timeout`` seconds for incoming messages (hellos, replies); process every one queued."""
+        if self._pump(timeout):
+            while self._pump(0.0):
+                pass
+
+    def poll_once(self, timeout: float = 0.0) -> bool:
+        """Wait up to ``timeout`` seconds for one incoming message and process it; False if none came.
+
+        For loops that check their own condition (``done``) after every message.
+        """
+        return self._pump(timeout)
 
     def done(self, request_ids: Iterable[int]) -> bool:
         """True when every request in ``request_ids`` has a reply (or error) waiting to be collected."""
@@ -398,17 +419,17 @@ class MasterEndpoint:
         detail = ", ".join(f"worker {w!r} handler {h!r} request {rid}" for rid, w, h in missing)
         raise RequestTimeout(f"no reply {why} from: {detail}", missing)
 
-    def _pump(self, timeout: float) -> None:
-        if not _readable(self._sock, max(0, int(timeout * 1000))):
-            return
-        while True:
-            try:
-                frames = recv_frames(self._sock, 2)
-            except zmq.Again:
-                return
-            self._handle(frames)
-            if not _more_queued(self._sock):
-                return
+    def _pump(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for one message and handle it; False if none came.
+
+        One message per call: every caller loops until what it waits for has arrived, so
+        draining here would only add a check for more on every reply.
+        """
+        frames = receive(self._sock, timeout, 2)
+        if frames is None:
+            return False
+        self._handle(frames)
+        return True
 
     def _handle(self, frames: list) -> None:
         identity = frames[0].decode(errors="replace")
@@ -487,25 +508,19 @@ class WorkerEndpoint:
         Expired requests are answered with an "expired" error here and never returned.
         """
         end = time.monotonic() + timeout
+        wait = timeout  # (the first wait is exactly ``timeout``: a full slice blocks in one receive)
         while True:
-            now = time.monotonic()
-            if not self._welcomed and now - self._last_hello >= self._hello_interval:
-                self._say_hello()
-            wait = end - now
             if not self._welcomed:
+                if time.monotonic() - self._last_hello >= self._hello_interval:
+                    self._say_hello()
                 wait = min(wait, self._hello_interval)
-            if _readable(self._sock, max(0, int(wait * 1000))):
-                while True:
-                    try:
-                        frames = recv_frames(self._sock, 1)
-                    except zmq.Again:
-                        break
-                    req = self._handle(frames)
-                    if req is not None:
-                        return req
-                    if not _more_queued(self._sock):
-                        break
-            if time.monotonic() >= end:
+            frames = receive(self._sock, wait, 1)
+            if frames is not None:
+                req = self._handle(frames)
+                if req is not None:
+                    return req
+            wait = end - time.monotonic()
+            if wait <= 0 and frames is None:  # time is up and nothing more is queued
                 return None
 
     def reply(self, request: Request, result: Any) -> None:

@@ -62,9 +62,10 @@ class Master:
 
     def _wait(self, rids: list[int], timeout: float) -> dict[int, Any]:
         """Wait for replies, failing fast (and by name) when a worker stops heartbeating."""
+        ep = self.ep
         end = time.monotonic() + timeout
         try:
-            while True:
+            while not ep.done(rids):
                 # heartbeats arrive every second: checking a few times a second is enough, and the
                 # timer spans calls (a check per call would cost every short MFC microseconds)
                 now = time.monotonic()
@@ -73,9 +74,10 @@ class Master:
                     if lost:
                         raise MasterError(f"worker(s) {sorted(lost)} stopped sending heartbeats; aborting the step")
                     self._next_lost_check = now + 0.2
-                self.ep.poll(max(0.0, min(1.0, end - now)))
-                if self.ep.done(rids) or time.monotonic() >= end:
-                    return self.ep.wait(rids, timeout=max(0.01, end - time.monotonic()))
+                if now >= end:
+                    break  # ep.wait names who did not answer
+                ep.poll_once(min(1.0, end - now))
+            return ep.wait(rids, timeout=max(0.01, end - time.monotonic()))
         finally:
             for r in rids:
                 self._req_worker.pop(r, None)

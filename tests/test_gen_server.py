@@ -138,6 +138,8 @@ def test_concurrent_requests_join_running_batch(client, models):
 
 
 def _background_batch(client, n_prompts=16, max_new=200):
+    """Start ``n_prompts`` greedy, EOS-ignoring prompts in a thread; return once the
+    server has sampled a token (the server's own counter, not a sleep)."""
     box: dict = {}
     before = client.metrics()["realflow_gen_tokens_generated_total"]
 
@@ -156,12 +158,27 @@ def _background_batch(client, n_prompts=16, max_new=200):
 
 def test_pause_abort_update_disk_continue(client, models):
     (pa, ma), (pb, mb) = models["a"], models["b"]
+    # 8 waves of 16 running requests x 250 tokens (context 256, EOS ignored): ~2000 decode
+    # steps.  The pause takes effect at the next step, so it lands while requests run however
+    # the threads are scheduled; one wave (16 x 200 tokens: ~0.1 s on a 2-core CPU) was too
+    # short a window.
+    n_prompts, max_new = 128, 250
     with GenerationClient(client.base_url) as c2:
-        t, box = _background_batch(c2)
-        client.pause_generation("abort")
+        t, box = _background_batch(c2, n_prompts, max_new)
+        assert client.pause_generation("abort")["aborted"] > 0
         t.join(60)
     res = box["res"]
-    assert any(r["meta_info"]["finish_reason"]["type"] == "abort" for r in res)
+    assert len(res) == n_prompts
+    for r in res:  # finished before the pause, or ended by it with what it had
+        fr, n_out = r["meta_info"]["finish_reason"], len(r["output_ids"])
+        assert r["meta_info"]["completion_tokens"] == n_out
+        if fr["type"] != "abort":
+            assert fr == {"type": "length", "length": max_new} and n_out == max_new, fr
+    # aborted while running: partial output (requests still queued end with none)
+    partial = [(i, r) for i, r in enumerate(res)
+               if r["meta_info"]["finish_reason"]["type"] == "abort" and r["output_ids"]]
+    assert partial, "no running request was aborted"
+    i, part = partial[0]
     v = client.update_weights_from_disk(pb)["weight_version"]
     queued = {}
     qt = threading.Thread(target=lambda: queued.update(r=client.generate([2], {"max_new_tokens": 3, **GREEDY})))
@@ -171,8 +188,7 @@ def test_pause_abort_update_disk_continue(client, models):
     client.continue_generation()
     qt.join(60)
     assert queued["r"]["output_ids"] == hf_greedy(mb, [2], 3)
-    part = next(r for r in res if r["meta_info"]["finish_reason"]["type"] == "abort")
-    prompt = [3 + res.index(part), 9]
+    prompt = [3 + i, 9]
     check_logprobs(ma, prompt, part["output_ids"], [x[0] for x in part["meta_info"]["output_token_logprobs"]])
     prefix = prompt + part["output_ids"]
     cont = client.generate(prefix, {"max_new_tokens": 5, **GREEDY})

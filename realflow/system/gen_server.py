@@ -28,7 +28,9 @@ Endpoints (JSON in and out; bad input -> 4xx ``{"error": message}``):
 
 Concurrency: the backend is stepped by ONE thread; HTTP handlers (asyncio)
 only enqueue under the same lock, so requests join the running batch at the
-next step.  The server binds 127.0.0.1 unless told otherwise.
+next step.  The lock is handed to a waiting handler before the next step (a
+pause, an abort or a metrics read takes effect between two steps, not when
+the batch has drained).  The server binds 127.0.0.1 unless told otherwise.
 
 Entry point::
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import logging
@@ -47,7 +50,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from aiohttp import web
 
@@ -74,13 +77,54 @@ class _Pending:
         self.future: asyncio.Future = loop.create_future()
 
 
+class _BackendLock:
+    """The lock around every backend call; a caller waiting for it goes before the next step.
+
+    A plain ``threading.Lock`` is not fair: the step thread releases it and takes it
+    again for the next step at once, so a handler blocked on it (``pause``, ``abort``,
+    ``/metrics``...) could wait through hundreds of steps -- a pause then took effect
+    only after the running batch had finished, aborting nothing.  Callers other than
+    the step thread (``with lock:``) count themselves as waiting; the step thread
+    (``with lock.for_step():``) waits until none is, then takes the lock.  Handlers run
+    on one event-loop thread (plus a few ``to_thread`` weight updates), so there are
+    never many waiters and the step thread is not starved.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
+        self._waiting = 0
+
+    def __enter__(self) -> "_BackendLock":
+        with self._cond:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._cond:
+                self._waiting -= 1
+                if not self._waiting:
+                    self._cond.notify_all()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def for_step(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._waiting)
+        with self._lock:
+            yield
+
+
 class GenServer:
     """Owns the backend, its step thread and the bookkeeping of pending requests."""
 
     def __init__(self, backend: Any, model_path: str = "") -> None:
         self.backend = backend
         self.model_path = model_path
-        self.lock = threading.Lock()  # serialises every backend call
+        self.lock = _BackendLock()  # serialises every backend call (see _BackendLock)
         self._plock = threading.Lock()  # guards self.pending and result delivery
         self.wake = threading.Event()
         self.stopping = threading.Event()
@@ -106,7 +150,7 @@ class GenServer:
     def _loop(self) -> None:
         while not self.stopping.is_set():
             results: list[GenerationResult] = []
-            with self.lock:
+            with self.lock.for_step():
                 busy = not self.paused and self.backend.has_work()
                 if busy:
                     try:

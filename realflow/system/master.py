@@ -174,7 +174,7 @@ class Master:
 
     def _run_generation(self, mfcs: list[MFCDef], batch: SequenceBatch) -> dict[str, dict[str, float]]:
         """Stage inputs for, then run, every MFC of one topological generation."""
-        assignments, handles, staged = self._stage_inputs(mfcs, batch)
+        assignments, received = self._stage_inputs(mfcs, batch)
         run_reqs: dict[int, tuple[MFCDef, int]] = {}
         hook_reqs: dict[int, tuple[str, str]] = {}
         for mfc in mfcs:
@@ -182,10 +182,11 @@ class Master:
             hook_reqs.update(self._send_hooks(mfc, "pre"))
             for dp_rank, ids in assignments[mfc.name].items():
                 for w in layout.dp_members(dp_rank):
-                    payload = {"mfc": mfc.name, "ids": ids, "receive": handles.get((mfc.name, w), [])}
+                    handles, transfers = received.get((mfc.name, w)) or ([], ())
+                    payload = {"mfc": mfc.name, "ids": ids, "receive": handles}
                     rid = self._request(w, "run_mfc", payload, self.setup.mfc_timeout_s)
                     run_reqs[rid] = (mfc, w)
-                    for sids, keys in staged.get((mfc.name, w), ()):  # w now also holds what it received
+                    for sids, keys in transfers:  # w now also holds what it received
                         self.holders.add(sids, keys, w)
             if mfc.interface_type == ModelInterfaceType.TRAIN_STEP:
                 self.role_version[mfc.model_name] += 1
@@ -194,16 +195,15 @@ class Master:
         return self._collect(mfcs, batch, replies, run_reqs, hook_reqs)
 
     def _stage_inputs(self, mfcs: list[MFCDef], batch: SequenceBatch) -> tuple[
-            dict[str, dict[int, list[str]]], dict[tuple[str, int], list[dict]],
-            dict[tuple[str, int], list[tuple[list[str], tuple[str, ...]]]]]:
+            dict[str, dict[int, list[str]]], dict[tuple[str, int], tuple[list[dict], list[tuple[list[str], tuple]]]]]:
         """Assign samples to each MFC's dp ranks; have holders stage the inputs a rank's workers lack.
 
-        Returns the assignment per MFC, and per (MFC, destination worker) the shared-memory
-        handles to receive and the (samples, keys) they carry.
+        Returns the assignment per MFC, and per (MFC, destination worker) that received
+        anything: the shared-memory handles to receive and the (samples, keys) they carry.
         """
         assignments: dict[str, dict[int, list[str]]] = {}
         stage_reqs: dict[int, tuple[str, int]] = {}  # request id -> (mfc, destination worker)
-        staged: dict[tuple[str, int], list[tuple[list[str], tuple[str, ...]]]] = defaultdict(list)
+        received: dict[tuple[str, int], tuple[list[dict], list[tuple[list[str], tuple]]]] = {}
         for mfc in mfcs:
             layout = self.plan.placements[mfc.name].layout
             parts = assign_to_dp_ranks(batch, layout, self.holders)
@@ -213,12 +213,11 @@ class Master:
                     for (holder, keys), sids in self._missing(ids, mfc.input_keys, dest).items():
                         rid = self._request(holder, "stage", {"ids": sids, "keys": list(keys)}, 120.0)
                         stage_reqs[rid] = (mfc.name, dest)
-                        staged[(mfc.name, dest)].append((sids, keys))
-        handles: dict[tuple[str, int], list[dict]] = defaultdict(list)
+                        received.setdefault((mfc.name, dest), ([], []))[1].append((sids, keys))
         if stage_reqs:
             for rid, handle in self._wait(list(stage_reqs), timeout=120.0).items():
-                handles[stage_reqs[rid]].append(handle)
-        return assignments, handles, staged
+                received[stage_reqs[rid]][0].append(handle)
+        return assignments, received
 
     def _collect(self, mfcs: list[MFCDef], batch: SequenceBatch, replies: dict[int, Any],
                  run_reqs: dict[int, tuple[MFCDef, int]], hook_reqs: dict[int, tuple[str, str]]

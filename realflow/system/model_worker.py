@@ -46,6 +46,7 @@ class _MFCCall:
     fn: Any  # the bound generate/inference method (None for train_step)
     is_train: bool
     is_head: bool  # this worker reports the dp rank's outputs
+    type_name: str  # interface type, for the trace
 
 
 class ModelWorker:
@@ -126,12 +127,13 @@ class ModelWorker:
                     self.data.receive(handle)
         batch = self.data.get(payload["ids"], mfc.input_keys)
         batch = batch.remap_keys(mfc.input_key_remap) if mfc.input_key_remap else batch
-        with self.tracer.span(mfc.name, type=mfc.interface_type.name, n=len(batch)):
-            if call.is_train:
-                stats = call.iface.train_step(call.model, batch, mfc.mb_spec)
-                call.model.version += 1
-                return {"stats": stats if call.is_head else None, "outputs": None}
-            out = call.fn(call.model, batch, mfc.mb_spec)
+        if self.tracer.enabled:
+            with self.tracer.span(mfc.name, type=call.type_name, n=len(batch)):
+                out = self._call_interface(call, batch)
+        else:  # (no span to build: dispatch of short MFCs is latency-bound)
+            out = self._call_interface(call, batch)
+        if call.is_train:
+            return {"stats": out if call.is_head else None, "outputs": None}
         if out is None:  # tensor/pipeline ranks other than the dp head may return nothing
             if call.is_head:
                 raise RuntimeError(f"MFC '{mfc.name}': interface '{mfc.interface_impl}' returned no outputs "
@@ -146,6 +148,15 @@ class ModelWorker:
         return ReplyThen({"stats": None, "outputs": out.meta_wire() if call.is_head else None},
                          lambda: self.data.put(out))
 
+    @staticmethod
+    def _call_interface(call: "_MFCCall", batch: SequenceBatch) -> Any:
+        """The interface's outputs (generate/inference) or stats (train_step)."""
+        if call.is_train:
+            stats = call.iface.train_step(call.model, batch, call.mfc.mb_spec)
+            call.model.version += 1
+            return stats
+        return call.fn(call.model, batch, call.mfc.mb_spec)
+
     def _prepare_call(self, name: str) -> "_MFCCall":
         """Resolve once what every call of MFC ``name`` on this worker needs (models exist after setup)."""
         mfc = self.plan.graph.mfc(name)
@@ -155,7 +166,8 @@ class ModelWorker:
         fn = None if is_train else (iface.generate if mfc.interface_type == ModelInterfaceType.GENERATE
                                     else iface.inference)
         call = _MFCCall(mfc=mfc, model=self.store.model(mfc.model_name, layout), iface=iface, fn=fn,
-                        is_train=is_train, is_head=layout.dp_head(layout.coords(self.index)[0]) == self.index)
+                        is_train=is_train, is_head=layout.dp_head(layout.coords(self.index)[0]) == self.index,
+                        type_name=mfc.interface_type.name)
         self._calls[name] = call
         return call
 

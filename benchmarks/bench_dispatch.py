@@ -181,6 +181,7 @@ def measure(n: int, rounds: int, prefix: list[str]) -> dict:
     from realflow.system.master import Master
     from realflow.system.plan import compile_plan
     from realflow.system.worker_main import resolver_for
+    from realflow.scheduler.proc import make_child_setup
 
     with tempfile.TemporaryDirectory() as tmp:
         make_data(tmp)
@@ -194,10 +195,10 @@ def measure(n: int, rounds: int, prefix: list[str]) -> dict:
         resolver.add(names.master_address(setup.experiment_name, setup.trial_name), endpoint.address)
         resolver.add(names.heartbeat_address(setup.experiment_name, setup.trial_name), monitor.address)
         env = dict(os.environ, REALFLOW_SECRET=secret.hex(), PYTHONPATH=REPO + os.pathsep + os.path.join(REPO, "benchmarks"))
-        worker = subprocess.Popen(
+        worker = subprocess.Popen(  # (dies with this process: it would otherwise wait for a master forever)
             [*prefix, sys.executable, "-m", "realflow.system.worker_main", "--role", "model_worker", "--index", "0",
              "--experiment", "bench_dispatch", "--import", "bench_dispatch", "--", f"data_dir={tmp}"],
-            cwd=REPO, env=env)
+            cwd=REPO, env=env, preexec_fn=make_child_setup(os.getpid()))
         try:
             master = Master(setup, compile_plan(setup), endpoint, lost_workers=monitor.lost_workers)
             endpoint.wait_for_workers(master.workers, timeout=120)

@@ -85,7 +85,7 @@ def main() -> None:
 
     from parallel.engine import MegatronEngine
     from parallel.groups import ParallelStrategy, build_model_groups
-    from parallel.optim import OptimizerConfig
+    from parallel.optim import EngineOptimizerConfig
 
     tmp = tempfile.mkdtemp(prefix="rf_bench_")
     atexit.register(shutil.rmtree, tmp, True)  # leave nothing behind in /tmp
@@ -95,8 +95,8 @@ def main() -> None:
     Qwen2ForCausalLM(cfg).float().save_pretrained(os.path.join(tmp, "ckpt"))
     ckpt = os.path.join(tmp, "ckpt")
 
-    opt_cfg = OptimizerConfig(lr=1e-4, weight_decay=0.0, gradient_clipping=1.0,
-                              lr_scheduler_type="constant", total_train_steps=1000)
+    opt_cfg = EngineOptimizerConfig(lr=1e-4, weight_decay=0.0, beta2=0.999, warmup_steps_proportion=0.0,
+                                    gradient_clipping=1.0, lr_scheduler_type="constant", total_train_steps=1000)
     engine = MegatronEngine(cfg, build_model_groups([0], ParallelStrategy()), ckpt, opt_cfg, seed=1)
     plain = Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).train()
     popt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.0)

@@ -7,7 +7,6 @@ protocol to :func:`parallel.groups.build_model_groups` and
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any, Optional
@@ -18,7 +17,7 @@ from realflow.api.backend import LayoutError, register_backend
 from parallel.engine import MegatronEngine
 from parallel.groups import ModelGroups, build_model_groups
 from parallel.model_config import hf_arch
-from parallel.optim import OptimizerConfig
+from parallel.optim import EngineOptimizerConfig
 
 __all__ = ["MegatronBackend", "estimate_rank_bytes"]
 
@@ -44,8 +43,7 @@ class MegatronBackend:
                              f"known: {list(_BACKEND_ARGS)}")
         opt = None
         if spec.optimizer is not None:
-            fields = dataclasses.asdict(spec.optimizer)
-            opt = OptimizerConfig(**fields, total_train_steps=max(int(spec.total_train_steps), 1))
+            opt = EngineOptimizerConfig.for_run(spec.optimizer, spec.total_train_steps)
         return MegatronEngine(spec.path, groups, spec.path if load_weights else None, opt, seed,
                               config_overrides=spec.backend_args.get("config_overrides"),
                               attention=spec.backend_args.get("attention", "sdpa"),

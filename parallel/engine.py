@@ -40,7 +40,7 @@ from parallel.hf_io import CheckpointError, gather_hf_state, save_hf_checkpoint
 from parallel.hf_layout import execute_hf_load, gather_hf_state_any, plan_hf_load
 from parallel.mcore_globals import seed_megatron_rng
 from parallel.model import build_gpt_model
-from parallel.optim import OptimizerConfig, build_optimizer
+from parallel.optim import EngineOptimizerConfig, build_optimizer
 from parallel.outputs import TokenOutputs
 from parallel.pipeline import (
     MicroBatch,
@@ -51,7 +51,7 @@ from parallel.pipeline import (
 )
 from parallel.packing import check_packed
 
-__all__ = ["MegatronEngine", "OptimizerConfig", "TokenOutputs", "LossFn"]
+__all__ = ["MegatronEngine", "EngineOptimizerConfig", "TokenOutputs", "LossFn"]
 
 # loss_fn(outputs of one micro-batch's real tokens, the micro-batch's extra) -> (loss SUM, stats)
 LossFn = Callable[[TokenOutputs, Any], tuple[torch.Tensor, dict[str, float]]]
@@ -79,7 +79,7 @@ class MegatronEngine:
         hf_config: Any,
         groups: ModelGroups,
         init_checkpoint: Optional[str] = None,
-        optimizer_config: Optional[OptimizerConfig] = None,
+        optimizer_config: Optional[EngineOptimizerConfig] = None,
         seed: int = 1,
         *,
         config_overrides: Optional[dict[str, Any]] = None,
@@ -130,7 +130,7 @@ class MegatronEngine:
                                   f"model (ranks {g.ranks}); nothing was loaded")
         execute_hf_load(self.module, plan, self.hf_config, self.arch, g.tp_rank, g.strategy.tp)
 
-    def _setup_training(self, cfg: OptimizerConfig) -> None:
+    def _setup_training(self, cfg: EngineOptimizerConfig) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,

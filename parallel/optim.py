@@ -9,44 +9,34 @@ cosine / linear decay to ``lr * min_lr_ratio`` at ``total_train_steps``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from parallel.mcore_globals import world_collectives_on
+from realflow.api.experiment import OptimizerConfig
 
-__all__ = ["OptimizerConfig", "build_optimizer"]
+__all__ = ["EngineOptimizerConfig", "build_optimizer"]
 
 
 @dataclass
-class OptimizerConfig:
-    """AdamW + LR schedule of one trainable model."""
+class EngineOptimizerConfig(OptimizerConfig):
+    """The experiment's optimizer settings (one definition, with its defaults and checks, in
+    ``realflow.api.experiment``) plus the schedule length, which only the runtime knows: it
+    counts the data before the models are built."""
 
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    warmup_steps_proportion: float = 0.0
-    lr_scheduler_type: str = "constant"  # cosine | constant | linear
-    min_lr_ratio: float = 0.0
-    gradient_clipping: float = 1.0  # <= 0 disables clipping
     total_train_steps: int = 1
 
     def __post_init__(self) -> None:
-        if self.lr_scheduler_type not in ("cosine", "constant", "linear"):
-            raise ValueError(f"OptimizerConfig.lr_scheduler_type={self.lr_scheduler_type!r}: "
-                             "expected cosine | constant | linear")
+        super().__post_init__()
         if self.total_train_steps < 1:
-            raise ValueError(f"OptimizerConfig.total_train_steps={self.total_train_steps} < 1")
-        if not 0.0 <= self.warmup_steps_proportion < 1.0:
-            raise ValueError("OptimizerConfig.warmup_steps_proportion must be in [0, 1), got "
-                             f"{self.warmup_steps_proportion}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"OptimizerConfig.min_lr_ratio={self.min_lr_ratio} not in [0, 1]")
-        if self.lr < 0:
-            raise ValueError(f"OptimizerConfig.lr={self.lr} < 0")
+            raise ValueError(f"EngineOptimizerConfig.total_train_steps={self.total_train_steps} < 1")
+
+    @classmethod
+    def for_run(cls, optimizer: OptimizerConfig, total_train_steps: int) -> "EngineOptimizerConfig":
+        return cls(**dataclasses.asdict(optimizer), total_train_steps=max(int(total_train_steps), 1))
 
     @property
     def warmup_steps(self) -> int:
@@ -54,7 +44,7 @@ class OptimizerConfig:
                    self.total_train_steps - 1)
 
 
-def build_optimizer(cfg: OptimizerConfig, ddp_model: Any, pg_collection: Any,
+def build_optimizer(cfg: EngineOptimizerConfig, ddp_model: Any, pg_collection: Any,
                     params_dtype: torch.dtype) -> tuple[Any, Any]:
     """Megatron DistributedOptimizer (AdamW) and OptimizerParamScheduler for ``ddp_model``."""
     from megatron.core.optimizer import OptimizerConfig as MOptConfig

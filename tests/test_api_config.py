@@ -14,6 +14,7 @@ from realflow.api.config import (
     ConfigError, config_to_dict, dict_to_config, field_paths, format_help, parse_cli, parse_overrides, pop_override,
     split_imports,
 )
+from realflow.api.experiment import OptimizerConfig
 
 
 class Backend(enum.Enum):
@@ -263,3 +264,22 @@ def test_real_experiment_base_config_help():
     c = parse_overrides(exp.BaseExperimentConfig, ["n_workers=4", "name_resolve.type=etcd"])
     assert c.n_workers == 4 and c.name_resolve.type == "etcd"
     assert dict_to_config(exp.BaseExperimentConfig, config_to_dict(c)) == c
+
+
+@dataclass
+class _WithOptimizer:
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+
+@pytest.mark.parametrize("arg, needle", [
+    ("optimizer.lr_scheduler_type=exp", "lr_scheduler_type='exp': expected cosine | constant | linear"),
+    ("optimizer.warmup_steps_proportion=1.5", "warmup_steps_proportion must be in [0, 1)"),
+    ("optimizer.min_lr_ratio=-0.1", "min_lr_ratio=-0.1 not in [0, 1]"),
+])
+def test_optimizer_values_checked_when_parsed(arg, needle):
+    """One OptimizerConfig (realflow.api.experiment) carries the checks: a bad value fails at parse time,
+    naming the field, not later inside a worker building the optimizer."""
+    with pytest.raises(ConfigError) as ei:
+        parse_overrides(_WithOptimizer, [arg])
+    assert "invalid config optimizer" in str(ei.value) and needle in str(ei.value)
+    assert parse_overrides(_WithOptimizer, ["optimizer.lr_scheduler_type=linear"]).optimizer.lr_scheduler_type == "linear"

@@ -153,14 +153,16 @@ def case_ddp_grad_average(ctx):
 
 
 def case_distributed_optimizer_step(ctx):
-    from parallel.optim import OptimizerConfig, build_optimizer
+    from parallel.optim import EngineOptimizerConfig, build_optimizer
 
     groups = _setup(ctx)
     model, _ = _model(ctx)
     ref, _ = _model(ctx)  # same seed: an identical plain copy
     batches = _batches(WORLD)
     ddp = _ddp(model, groups, distributed_optimizer=True)
-    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, gradient_clipping=0.0, total_train_steps=5)
+    cfg = EngineOptimizerConfig(lr=1e-2, weight_decay=0.1, beta2=0.999, warmup_steps_proportion=0.0,
+                                lr_scheduler_type="constant", min_lr_ratio=0.0, gradient_clipping=0.0,
+                                total_train_steps=5)
     opt, sched = build_optimizer(cfg, ddp, groups.pg_collection, torch.float32)
     # megatron: no weight decay on biases and 1-D (norm) params
     decay = [p for n, p in ref.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
@@ -212,14 +214,14 @@ def case_grad_clipping(ctx):
 
 
 def case_lr_scheduler(ctx):
-    from parallel.optim import OptimizerConfig, build_optimizer
+    from parallel.optim import EngineOptimizerConfig, build_optimizer
 
     groups = _setup(ctx)
     model, _ = _model(ctx)
     ddp = _ddp(model, groups, distributed_optimizer=True)
     lr, total, warm, lo = 1e-3, 10, 2, 1e-4
     for style in ("cosine", "linear", "constant"):
-        cfg = OptimizerConfig(lr=lr, warmup_steps_proportion=0.2, lr_scheduler_type=style,
+        cfg = EngineOptimizerConfig(lr=lr, warmup_steps_proportion=0.2, lr_scheduler_type=style,
                               min_lr_ratio=0.1, total_train_steps=total)
         opt, sched = build_optimizer(cfg, ddp, groups.pg_collection, torch.float32)
         got = []
@@ -237,7 +239,7 @@ def case_lr_scheduler(ctx):
                 want = lo + (lr - lo) * coeff
             assert abs(value - want) < 1e-12, (style, k, value, want)
     with pytest.raises(ValueError, match="lr_scheduler_type"):
-        OptimizerConfig(lr_scheduler_type="exp")
+        EngineOptimizerConfig(lr_scheduler_type="exp")
 
 
 def case_pipeline_p2p(ctx):

@@ -37,10 +37,10 @@ def _ckpt(ctx):
 
 
 def _opt_cfg():
-    from parallel.optim import OptimizerConfig
+    from parallel.optim import EngineOptimizerConfig
 
     # warmup 1 of 4 steps then cosine; clipping well below the grad norm so it acts
-    return OptimizerConfig(lr=2e-3, weight_decay=0.05, beta1=0.9, beta2=0.99, eps=1e-8,
+    return EngineOptimizerConfig(lr=2e-3, weight_decay=0.05, beta1=0.9, beta2=0.99, eps=1e-8,
                            warmup_steps_proportion=0.25, lr_scheduler_type="cosine",
                            min_lr_ratio=0.1, gradient_clipping=0.3, total_train_steps=4)
 

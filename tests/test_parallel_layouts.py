@@ -104,10 +104,10 @@ def weight(extra):
 
 
 def _opt_cfg():
-    from parallel.optim import OptimizerConfig
+    from parallel.optim import EngineOptimizerConfig
 
-    return OptimizerConfig(lr=2e-3, weight_decay=0.05, beta2=0.99, warmup_steps_proportion=0.0,
-                           lr_scheduler_type="constant", gradient_clipping=0.5,
+    return EngineOptimizerConfig(lr=2e-3, weight_decay=0.05, beta2=0.99, warmup_steps_proportion=0.0,
+                           lr_scheduler_type="constant", min_lr_ratio=0.0, gradient_clipping=0.5,
                            total_train_steps=STEPS)
 
 

@@ -34,6 +34,19 @@ class OptimizerConfig:
     min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of lr"})
     gradient_clipping: float = field(default=1.0, metadata={"help": "max global grad norm (0 = off)"})
 
+    def __post_init__(self) -> None:
+        # checked here, where the user sets the values, so a bad override fails before any process starts
+        if self.lr_scheduler_type not in ("cosine", "constant", "linear"):
+            raise ValueError(f"OptimizerConfig.lr_scheduler_type={self.lr_scheduler_type!r}: "
+                             "expected cosine | constant | linear")
+        if not 0.0 <= self.warmup_steps_proportion < 1.0:
+            raise ValueError("OptimizerConfig.warmup_steps_proportion must be in [0, 1), got "
+                             f"{self.warmup_steps_proportion}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"OptimizerConfig.min_lr_ratio={self.min_lr_ratio} not in [0, 1]")
+        if self.lr < 0:
+            raise ValueError(f"OptimizerConfig.lr={self.lr} < 0")
+
 
 @dataclass
 class ModelSpec:

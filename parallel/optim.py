@@ -9,8 +9,7 @@ cosine / linear decay to ``lr * min_lr_ratio`` at ``total_train_steps``.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ class EngineOptimizerConfig(OptimizerConfig):
 
     @classmethod
     def for_run(cls, optimizer: OptimizerConfig, total_train_steps: int) -> "EngineOptimizerConfig":
-        return cls(**dataclasses.asdict(optimizer), total_train_steps=max(int(total_train_steps), 1))
+        return cls(**asdict(optimizer), total_train_steps=max(int(total_train_steps), 1))
 
     @property
     def warmup_steps(self) -> int:

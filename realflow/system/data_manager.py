@@ -15,7 +15,7 @@ none of its entries is referenced any more (dropped or overwritten).
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable
+from typing import Any, Iterable, NoReturn
 
 from realflow.api.batch import SequenceBatch
 from realflow.comm import shm
@@ -91,7 +91,7 @@ class DataManager:
             parts.append(sample.select_keys(keys))
         return SequenceBatch.gather(parts)
 
-    def _raise_missing(self, ids: list[str], keys: list[str]) -> None:
+    def _raise_missing(self, ids: list[str], keys: list[str]) -> NoReturn:
         for sid in ids:
             entry = self._index.get(sid)
             if entry is None:

@@ -13,6 +13,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from realflow.api.batch import SequenceBatch
@@ -33,6 +34,17 @@ logger = get_logger("master")
 
 class MasterError(RuntimeError):
     """The run cannot continue; the message names the MFC and worker involved."""
+
+
+@dataclass
+class _Inbound:
+    """What one destination worker receives before running one MFC."""
+
+    handles: list[dict] = field(default_factory=list)  # shared-memory handles, one per staged transfer
+    transfers: list[tuple[list[str], tuple[str, ...]]] = field(default_factory=list)  # (samples, keys) each carries
+
+
+_NOTHING_INBOUND = _Inbound()  # (read only: for the destinations that receive nothing)
 
 
 class Master:
@@ -182,11 +194,11 @@ class Master:
             hook_reqs.update(self._send_hooks(mfc, "pre"))
             for dp_rank, ids in assignments[mfc.name].items():
                 for w in layout.dp_members(dp_rank):
-                    handles, transfers = received.get((mfc.name, w)) or ([], ())
-                    payload = {"mfc": mfc.name, "ids": ids, "receive": handles}
+                    inbound = received.get((mfc.name, w), _NOTHING_INBOUND)
+                    payload = {"mfc": mfc.name, "ids": ids, "receive": inbound.handles}
                     rid = self._request(w, "run_mfc", payload, self.setup.mfc_timeout_s)
                     run_reqs[rid] = (mfc, w)
-                    for sids, keys in transfers:  # w now also holds what it received
+                    for sids, keys in inbound.transfers:  # w now also holds what it received
                         self.holders.add(sids, keys, w)
             if mfc.interface_type == ModelInterfaceType.TRAIN_STEP:
                 self.role_version[mfc.model_name] += 1
@@ -194,8 +206,8 @@ class Master:
         replies = self._wait(list(run_reqs) + list(hook_reqs), timeout=self.setup.mfc_timeout_s)
         return self._collect(mfcs, batch, replies, run_reqs, hook_reqs)
 
-    def _stage_inputs(self, mfcs: list[MFCDef], batch: SequenceBatch) -> tuple[
-            dict[str, dict[int, list[str]]], dict[tuple[str, int], tuple[list[dict], list[tuple[list[str], tuple]]]]]:
+    def _stage_inputs(self, mfcs: list[MFCDef], batch: SequenceBatch
+                      ) -> tuple[dict[str, dict[int, list[str]]], dict[tuple[str, int], _Inbound]]:
         """Assign samples to each MFC's dp ranks; have holders stage the inputs a rank's workers lack.
 
         Returns the assignment per MFC, and per (MFC, destination worker) that received
@@ -203,7 +215,7 @@ class Master:
         """
         assignments: dict[str, dict[int, list[str]]] = {}
         stage_reqs: dict[int, tuple[str, int]] = {}  # request id -> (mfc, destination worker)
-        received: dict[tuple[str, int], tuple[list[dict], list[tuple[list[str], tuple]]]] = {}
+        received: dict[tuple[str, int], _Inbound] = {}
         for mfc in mfcs:
             layout = self.plan.placements[mfc.name].layout
             parts = assign_to_dp_ranks(batch, layout, self.holders)
@@ -213,10 +225,10 @@ class Master:
                     for (holder, keys), sids in self._missing(ids, mfc.input_keys, dest).items():
                         rid = self._request(holder, "stage", {"ids": sids, "keys": list(keys)}, 120.0)
                         stage_reqs[rid] = (mfc.name, dest)
-                        received.setdefault((mfc.name, dest), ([], []))[1].append((sids, keys))
+                        received.setdefault((mfc.name, dest), _Inbound()).transfers.append((sids, keys))
         if stage_reqs:
             for rid, handle in self._wait(list(stage_reqs), timeout=120.0).items():
-                received[stage_reqs[rid]][0].append(handle)
+                received[stage_reqs[rid]].handles.append(handle)
         return assignments, received
 
     def _collect(self, mfcs: list[MFCDef], batch: SequenceBatch, replies: dict[int, Any],

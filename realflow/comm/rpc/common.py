@@ -6,7 +6,7 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Self
 
 import zmq
 
@@ -190,3 +190,21 @@ def encode_message(msg: dict, what: Callable[[], str]) -> list:
         except TypeError as e:
             raise TypeError(f"{what()}: {str(e).replace(' at obj', ' at payload', 1)}") from None
         raise
+
+
+class SocketEndpoint:
+    """An object owning one ZMQ socket (``self._sock``): closed once, usable as a context manager."""
+
+    _sock: zmq.Socket
+    _closed: bool  # set False by the owner's __init__
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sock.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -12,8 +12,8 @@ import zmq
 from realflow.comm import codec
 from realflow.comm.auth import AuthError, Signer, Verifier, check_secret
 from realflow.comm.rpc.common import (
-    DEADLINE_GRACE_S, DEFAULT_MASTER_NAME, HWM, DropLog, RemoteError, RequestTimeout, RpcError, WorkersMissing,
-    WorkerUnreachable, encode_message, make_socket, receive, send_frames,
+    DEADLINE_GRACE_S, DEFAULT_MASTER_NAME, HWM, DropLog, RemoteError, RequestTimeout, RpcError, SocketEndpoint,
+    WorkersMissing, WorkerUnreachable, encode_message, make_socket, receive, send_frames,
 )
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ class _Pending:
     deadline: float
 
 
-class MasterEndpoint:
+class MasterEndpoint(SocketEndpoint):
     """The master's side: one ROUTER socket that all workers connect to."""
 
     def __init__(self, secret: bytes, bind_host: str = "127.0.0.1", port: int = 0, *,
@@ -159,17 +159,6 @@ class MasterEndpoint:
         for rid in request_ids:
             self._pending.pop(rid, None)
             self._results.pop(rid, None)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._sock.close()
-
-    def __enter__(self) -> "MasterEndpoint":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ internals
     def _send(self, worker: str, frames: list, what: Callable[[], str]) -> None:

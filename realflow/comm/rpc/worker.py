@@ -11,14 +11,14 @@ import zmq
 from realflow.comm import codec
 from realflow.comm.auth import AuthError, Signer, Verifier, check_secret
 from realflow.comm.rpc.common import (
-    DEFAULT_MASTER_NAME, HWM, NOBLOCK, DropLog, ReplyThen, Request, RpcError, encode_message, error_text, make_socket,
-    receive, send_frames,
+    DEFAULT_MASTER_NAME, HWM, NOBLOCK, DropLog, ReplyThen, Request, RpcError, SocketEndpoint, encode_message, error_text,
+    make_socket, receive, send_frames,
 )
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerEndpoint:
+class WorkerEndpoint(SocketEndpoint):
     """A worker's side: one DEALER socket (identity = worker name) connected to the master."""
 
     def __init__(self, name: str, master_address: str, secret: bytes, *,
@@ -128,17 +128,6 @@ class WorkerEndpoint:
                                      self.name, req.id, req.handler)
                     broken = (f"worker {self.name!r} is unusable: work after replying to request {req.id} "
                               f"({req.handler!r}) failed:\n{error_text(e)}")
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._sock.close()
-
-    def __enter__(self) -> "WorkerEndpoint":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ internals
     def _say_hello(self) -> None:

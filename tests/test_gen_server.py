@@ -4,9 +4,11 @@ Every endpoint is exercised through :class:`GenerationClient`; outputs are
 checked against transformers (greedy tokens exact, logprobs within
 LOGPROB_ATOL); pause (abort / retract) + weight updates (disk, shared memory)
 + continue; bad requests answer 4xx with a message and the server stays healthy.
+The backend lock's stuck-holder warning is a unit test on real threads (no server).
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -286,3 +288,59 @@ def test_client_timeouts_name_server(server):
     with GenerationClient(server[0], timeout=5, generate_timeout=0.001) as c:
         with pytest.raises(GenerationServerError, match=r"did not answer POST /generate"):
             c.generate([1] * 10, {"max_new_tokens": 200, **GREEDY})
+
+
+def _wait_until(cond, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_step_wait_warns_names_holder_and_keeps_waiting(caplog):
+    """A step thread kept from the backend lock warns once per period, names the holder, never raises."""
+    from realflow.system.gen_server_state import _BackendLock
+
+    period = 0.2
+    lock = _BackendLock(warn_after_s=period)
+    held, release = threading.Event(), threading.Event()
+    stepped, queued_done = threading.Event(), threading.Event()
+
+    def holder():  # e.g. a long weight update
+        with lock:
+            held.set()
+            release.wait(5)
+
+    def step():
+        with lock.for_step():
+            stepped.set()
+
+    def queued():  # a handler waiting behind the holder: the step thread must let it go first
+        with lock:
+            assert not stepped.is_set()
+        queued_done.set()
+
+    def warnings():
+        return [r for r in list(caplog.records)
+                if r.levelno == logging.WARNING and "backend lock" in r.getMessage()]
+
+    threads = [threading.Thread(target=holder, name="weight-update", daemon=True)]
+    threads[0].start()
+    assert held.wait(5)
+    with caplog.at_level(logging.WARNING, logger="realflow.gen_server"):
+        threads.append(threading.Thread(target=step, name="gen-step", daemon=True))
+        threads[-1].start()
+        _wait_until(lambda: len(warnings()) >= 1)  # blocked on the lock itself, nobody queued
+        first = warnings()[0].getMessage()
+        assert "'gen-step'" in first and "0 caller(s)" in first and "'weight-update'" in first
+        threads.append(threading.Thread(target=queued, name="pause-handler", daemon=True))
+        threads[-1].start()
+        _wait_until(lambda: any("1 caller(s)" in r.getMessage() for r in warnings()))
+        assert not stepped.is_set()  # still waiting after warning: no raise, no giving up
+        release.set()
+        for t in threads:
+            t.join(5)
+            assert not t.is_alive(), t.name
+    assert stepped.is_set() and queued_done.is_set()
+    times = [r.created for r in warnings()]
+    assert all(b - a >= period * 0.9 for a, b in zip(times, times[1:])), times  # once per period

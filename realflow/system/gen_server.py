@@ -26,11 +26,10 @@ Endpoints (JSON in and out; bad input -> 4xx ``{"error": message}``):
   ``{rid}``, ``GET /health``, ``GET /get_model_info``, ``GET /metrics``
   (Prometheus text).
 
-Concurrency: the backend is stepped by ONE thread; HTTP handlers (asyncio)
-only enqueue under the same lock, so requests join the running batch at the
-next step.  The lock is handed to a waiting handler before the next step (a
-pause, an abort or a metrics read takes effect between two steps, not when
-the batch has drained).  The server binds 127.0.0.1 unless told otherwise.
+This module is the HTTP side only: handlers parse requests and call the
+server's state machine (:class:`~realflow.system.gen_server_state.GenServer`,
+which owns the backend, its step thread and the lock; concurrency is described
+there).  The server binds 127.0.0.1 unless told otherwise.
 
 Entry point::
 
@@ -41,234 +40,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib
 import json
 import logging
 import sys
-import threading
-import time
 import uuid
-from collections import deque
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 from aiohttp import web
 
 from realflow.api.generation import (PAUSE_MODES, BackendConfig, ExternalServerBackend,
                                      GenerationResult, SamplingParams, generation_backends)
+from realflow.system.gen_server_state import BadRequest, GenServer
 
 __all__ = ["GenServer", "build_app", "main"]
 
 logger = logging.getLogger("realflow.gen_server")
 
 MAX_BODY_BYTES = 64 << 20
-
-
-class BadRequest(ValueError):
-    """A client error: answered with HTTP 400 and the message."""
-
-
-class _Pending:
-    """Results of one HTTP request, filled by the step thread."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, expected: int) -> None:
-        self.loop, self.expected = loop, expected
-        self.results: list[GenerationResult] = []
-        self.future: asyncio.Future = loop.create_future()
-
-
-class _BackendLock:
-    """The lock around every backend call; a caller waiting for it goes before the next step.
-
-    A plain ``threading.Lock`` is not fair: the step thread releases it and takes it
-    again for the next step at once, so a handler blocked on it (``pause``, ``abort``,
-    ``/metrics``...) could wait through hundreds of steps -- a pause then took effect
-    only after the running batch had finished, aborting nothing.  Callers other than
-    the step thread (``with lock:``) count themselves as waiting; the step thread
-    (``with lock.for_step():``) waits until none is, then takes the lock.  Handlers run
-    on one event-loop thread (plus a few ``to_thread`` weight updates), so there are
-    never many waiters and the step thread is not starved.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(threading.Lock())
-        self._waiting = 0
-
-    def __enter__(self) -> "_BackendLock":
-        with self._cond:
-            self._waiting += 1
-        try:
-            self._lock.acquire()
-        finally:
-            with self._cond:
-                self._waiting -= 1
-                if not self._waiting:
-                    self._cond.notify_all()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._lock.release()
-
-    @contextlib.contextmanager
-    def for_step(self) -> Iterator[None]:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._waiting)
-        with self._lock:
-            yield
-
-
-class GenServer:
-    """Owns the backend, its step thread and the bookkeeping of pending requests."""
-
-    def __init__(self, backend: Any, model_path: str = "") -> None:
-        self.backend = backend
-        self.model_path = model_path
-        self.lock = _BackendLock()  # serialises every backend call (see _BackendLock)
-        self._plock = threading.Lock()  # guards self.pending and result delivery
-        self.wake = threading.Event()
-        self.stopping = threading.Event()
-        self.paused = False
-        self.pending: dict[str, _Pending] = {}  # request rid -> its waiters
-        self.requests_total = 0
-        self.bad_requests_total = 0
-        self.aborted_total = 0
-        self._window: deque[tuple[float, float]] = deque(maxlen=4096)  # (time, tokens)
-        self.thread = threading.Thread(target=self._loop, name="gen-step", daemon=True)
-        self.step_error: Optional[str] = None
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.wake.set()
-        self.thread.join(10.0)
-
-    # ------------------------------------------------------------ step thread
-
-    def _loop(self) -> None:
-        while not self.stopping.is_set():
-            results: list[GenerationResult] = []
-            with self.lock.for_step():
-                busy = not self.paused and self.backend.has_work()
-                if busy:
-                    try:
-                        results = self.backend.step()
-                    except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
-                        logger.exception("generation step failed")
-                        self.step_error = f"{type(e).__name__}: {e}"
-                        results = self.backend.pause("abort")
-                    self._window.append((time.monotonic(),
-                                         float(self.backend.stats()["tokens_generated"])))
-            self._deliver(results)
-            if not busy:
-                self.wake.wait(0.05)
-                self.wake.clear()
-
-    def _deliver(self, results: list[GenerationResult]) -> None:
-        with self._plock:
-            self._deliver_locked(results)
-
-    def _deliver_locked(self, results: list[GenerationResult]) -> None:
-        for r in results:
-            p = self.pending.get(r.request_rid)
-            if p is None:
-                continue
-            p.results.append(r)
-            if len(p.results) == p.expected:
-                self.pending.pop(r.request_rid, None)
-                p.loop.call_soon_threadsafe(_set_result, p.future, p.results)
-
-    # ------------------------------------------------------------ operations
-
-    def submit(self, prompts: list[Any], params: list[SamplingParams], rids: list[str]
-               ) -> list[_Pending]:
-        """Add every prompt or none (a bad one aborts those already added)."""
-        loop = asyncio.get_running_loop()
-        added: list[str] = []
-        waiters: list[_Pending] = []
-        with self.lock:
-            try:
-                for i, (ids, sp, rid) in enumerate(zip(prompts, params, rids)):
-                    if rid in self.pending:
-                        raise BadRequest(f"rid {rid!r} is already in use")
-                    try:
-                        seq_ids = self.backend.add_request(rid, ids, sp)
-                    except ValueError as e:
-                        where = f"input_ids[{i}]: " if len(prompts) > 1 else ""
-                        raise BadRequest(where + str(e)) from None
-                    added.append(rid)
-                    w = _Pending(loop, len(seq_ids))
-                    with self._plock:
-                        self.pending[rid] = w
-                    waiters.append(w)
-            except BadRequest:
-                for rid in added:
-                    self.backend.abort(rid)
-                    with self._plock:
-                        self.pending.pop(rid, None)
-                raise
-        self.requests_total += len(prompts)
-        self.wake.set()
-        return waiters
-
-    def abort(self, rid: str) -> int:
-        with self.lock:
-            results = self.backend.abort(rid)
-        self.aborted_total += len(results)
-        self._deliver(results)
-        return len(results)
-
-    def pause(self, mode: str) -> int:
-        with self.lock:
-            self.paused = True
-            results = self.backend.pause(mode)
-        self.aborted_total += len(results)
-        self._deliver(results)
-        return len(results)
-
-    def resume(self) -> None:
-        with self.lock:
-            self.paused = False
-        self.wake.set()
-
-    def metrics_text(self) -> str:
-        with self.lock:
-            st = dict(self.backend.stats())
-            version = self.backend.weight_version
-            window = list(self._window)
-        now = time.monotonic()
-        recent = [(t, n) for t, n in window if now - t <= 10.0]
-        tps = 0.0
-        if len(recent) >= 2 and recent[-1][0] > recent[0][0]:
-            tps = (recent[-1][1] - recent[0][1]) / max(now - recent[0][0], 1e-9)
-        lines = []
-
-        def metric(name: str, kind: str, help_: str, value: float) -> None:
-            lines.extend([f"# HELP realflow_gen_{name} {help_}", f"# TYPE realflow_gen_{name} {kind}",
-                          f"realflow_gen_{name} {value:g}"])
-
-        metric("tokens_generated_total", "counter", "tokens sampled since start",
-               st.get("tokens_generated", 0.0))
-        metric("requests_total", "counter", "prompts accepted", self.requests_total)
-        metric("bad_requests_total", "counter", "requests answered with 4xx", self.bad_requests_total)
-        metric("aborted_total", "counter", "sequences ended by abort/pause", self.aborted_total)
-        metric("running_requests", "gauge", "sequences in the running batch",
-               st.get("running_requests", 0.0))
-        metric("queued_requests", "gauge", "sequences waiting to join", st.get("queued_requests", 0.0))
-        metric("tokens_per_second", "gauge", "tokens/s over the last 10 s", tps)
-        busy = st.get("busy_seconds", 0.0)
-        metric("busy_tokens_per_second", "gauge", "tokens/s while stepping, since start",
-               st.get("tokens_generated", 0.0) / busy if busy > 0 else 0.0)
-        metric("weight_version", "gauge", "version of the weights in use", version)
-        metric("paused", "gauge", "1 while generation is paused", float(self.paused))
-        return "\n".join(lines) + "\n"
-
-
-def _set_result(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
 
 
 # ---------------------------------------------------------------- request parsing

@@ -85,7 +85,7 @@ def _naive(src_layout, dst_layout, src_t, dst_t, src_shards, dst_shards, table, 
     for e in table:
         full = torch.empty(e.mcore_shape, dtype=dtype)
         for tp in range(src_layout.strategy.tp):  # the tp shards of replica 0 (and the stage holding e)
-            owners = [r for r in src_layout.ranks if e.mcore_name in src_shards[r]
+            owners = [r for r in src_layout.workers if e.mcore_name in src_shards[r]
                       and src_layout.coords(r)[0] == 0 and src_layout.coords(r)[1] == tp]
             owner = owners[0]
             s = src_shards[owner][e.mcore_name]
@@ -114,9 +114,10 @@ def worker(rank: int, store_path: str, out: str, iters: int, dtype_name: str, la
     from parallel.groups import ParallelStrategy
     from parallel.hf_io import param_table
     from parallel.model_config import hf_arch
-    from parallel.realloc import (LayoutSpec, allocate_shards, gather_hosts, plan_reallocation,
+    from parallel.realloc import (allocate_shards, gather_hosts, plan_reallocation,
                                   prepare_reallocation, reallocate)
     from parallel.realloc.sync import default_store, store_barrier
+    from realflow.api.layout import Layout
 
     dtype = getattr(torch, dtype_name)
     cfg = dict(CONFIG, num_hidden_layers=layers)
@@ -128,8 +129,8 @@ def worker(rank: int, store_path: str, out: str, iters: int, dtype_name: str, la
         store_barrier(default_store(), f"bench/{counter['n']}", range(WORLD), b"", 600, "bench")
 
     ranks = tuple(range(WORLD))
-    t2p2 = LayoutSpec(ranks, ParallelStrategy(1, 2, 2))
-    d4 = LayoutSpec(ranks, ParallelStrategy(4, 1, 1))
+    t2p2 = Layout(ranks, ParallelStrategy(1, 2, 2))
+    d4 = Layout(ranks, ParallelStrategy(4, 1, 1))
     hosts = gather_hosts()
     res_out: dict = {"rank": rank}
     t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.backend import LayoutError, register_backend
+from realflow.api.layout import Layout
 
 from parallel.engine import MegatronEngine
 from parallel.groups import ModelGroups, build_model_groups
@@ -51,8 +52,8 @@ class MegatronBackend:
 
     # ---- parameter reallocation and offload (runtime hooks) ------------------------------------
 
-    def prepare_realloc(self, src_spec: Any, src_layout: Any, src_groups: ModelGroups,
-                        dst_spec: Any, dst_layout: Any, dst_groups: ModelGroups) -> Any:
+    def prepare_realloc(self, src_spec: Any, src_layout: Layout, src_groups: ModelGroups,
+                        dst_spec: Any, dst_layout: Layout, dst_groups: ModelGroups) -> Any:
         """Plan + resources of one (source layout, destination layout) pair.
 
         Collective over the whole world, in the same order on every worker (the plan's
@@ -61,7 +62,7 @@ class MegatronBackend:
         """
         from transformers import AutoConfig
 
-        from parallel.realloc import LayoutSpec, gather_hosts, plan_reallocation, prepare_reallocation
+        from parallel.realloc import gather_hosts, plan_reallocation, prepare_reallocation
 
         if self._hosts is None:
             self._hosts = gather_hosts()
@@ -70,8 +71,7 @@ class MegatronBackend:
                               f"supported: give the critic one layout for all its MFCs")
         plan = plan_reallocation(
             AutoConfig.from_pretrained(src_spec.path),
-            LayoutSpec(tuple(src_layout.workers), src_layout.strategy),
-            LayoutSpec(tuple(dst_layout.workers), dst_layout.strategy),
+            src_layout, dst_layout,
             dst_hf_config=AutoConfig.from_pretrained(dst_spec.path), hosts=self._hosts)
         return plan, prepare_reallocation(plan)
 

@@ -28,6 +28,7 @@ import re
 import torch
 
 from parallel.testing import run_cases
+from realflow.api.layout import Layout
 
 MODULE = __name__.rsplit(".", 1)[-1]
 WORLD = 8
@@ -55,12 +56,11 @@ def _strategy(name: str):
 
 
 def _layout(name: str, where: str):
-    from parallel.realloc import LayoutSpec
 
     s = _strategy(name)
     n = s.world_size
     ranks = list(range(n)) if where == "head" else list(range(WORLD - n, WORLD))
-    return LayoutSpec(tuple(ranks), s)
+    return Layout(tuple(ranks), s)
 
 
 def _full(ctx, tied: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -78,7 +78,7 @@ def _full(ctx, tied: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _model(ctx, layout_name: str, where: str, slot: str, tied: bool = True):
-    """(GPTModel stage or None, LayoutSpec); groups/models made in the same order on every rank."""
+    """(GPTModel stage or None, Layout); groups/models made in the same order on every rank."""
     key = f"model:{layout_name}:{where}:{slot}:{tied}"
     if key not in ctx.cache:
         from parallel.groups import build_model_groups
@@ -87,7 +87,7 @@ def _model(ctx, layout_name: str, where: str, slot: str, tied: bool = True):
         lay = _layout(layout_name, where)
         gkey = f"groups:{lay}"
         if gkey not in ctx.cache:
-            ctx.cache[gkey] = build_model_groups(list(lay.ranks), lay.strategy)
+            ctx.cache[gkey] = build_model_groups(list(lay.workers), lay.strategy)
         groups = ctx.cache[gkey]
         torch.manual_seed(0)
         model = build_gpt_model(_cfg(tied), groups)[0] if groups.is_member else None
@@ -334,7 +334,7 @@ def case_errors(ctx):
     res = prepare_reallocation(plan, timeout=60)
     from parallel.realloc import allocate_shards
 
-    src = allocate_shards(plan.src_shards[me]) if me in la.ranks else None
+    src = allocate_shards(plan.src_shards[me]) if me in la.workers else None
     if src is not None:
         for t in src.values():
             t.fill_(1.0)
@@ -355,10 +355,10 @@ def case_errors(ctx):
 
     # 2. wrong dtype on ONE rank (7): every member raises naming rank 7, nothing moved.
     dst = allocate_shards(plan.dst_shards[me], dtype=torch.bfloat16 if me == 7 else torch.float32) \
-        if me in lb.ranks else None
+        if me in lb.workers else None
     attempt("dtype", src, dst, "rank 7: destination parameter")
     # 3. a destination member passes None.
-    dst = allocate_shards(plan.dst_shards[me]) if me in lb.ranks else None
+    dst = allocate_shards(plan.dst_shards[me]) if me in lb.workers else None
     attempt("none", src, None if me == 6 else dst, "rank 6: this rank is a destination of the plan but passed no")
     # 4. an offloaded destination (real GPTModel stage): clear error, then reload and it works.
     dst_model, lm = _model(ctx, "t2p1d1", "tail", "b")
@@ -380,7 +380,7 @@ def case_errors(ctx):
     if dst_model is not None:
         _check_equal(dst_model, lm, _full(ctx), "after reload")
     # 5. the group still works after the errors: a normal reallocation succeeds.
-    dst = allocate_shards(plan.dst_shards[me]) if me in lb.ranks else None
+    dst = allocate_shards(plan.dst_shards[me]) if me in lb.workers else None
     reallocate(plan, res, src, dst, timeout=30)
     if dst is not None:
         for n, s in plan.dst_shards[me].items():
@@ -417,11 +417,11 @@ CASES = ["case_spec_matches_models", "case_plan_properties", "case_all_pairs_two
 def case_missing_rank_times_out(ctx):
     import time
 
-    from parallel.realloc import (LayoutSpec, ReallocError, SyncTimeout, allocate_shards, plan_reallocation,
+    from parallel.realloc import (ReallocError, SyncTimeout, allocate_shards, plan_reallocation,
                                   prepare_reallocation, reallocate)
 
-    la = LayoutSpec((0,), _strategy("t1p1d1"))
-    lb = LayoutSpec((1, 2), _strategy("t1p1d2"))
+    la = Layout((0,), _strategy("t1p1d1"))
+    lb = Layout((1, 2), _strategy("t1p1d2"))
     plan = plan_reallocation(_cfg(), la, lb)
     res = prepare_reallocation(plan, timeout=30)
     me = ctx.rank
@@ -462,16 +462,17 @@ def test_missing_rank_is_named():
 
 
 def test_pure_spec_errors():
-    from parallel.realloc import LayoutSpec, ShardSpecError, shard_spec
+    from parallel.realloc import ShardSpecError, shard_spec
+    from realflow.api.allocation import AllocationError
 
     cfg = _cfg()
     try:
-        shard_spec(cfg, LayoutSpec((0, 1, 2), _strategy("t1p3")))
+        shard_spec(cfg, Layout((0, 1, 2), _strategy("t1p3")))
         raise AssertionError("4 layers on 3 stages accepted")
     except ShardSpecError as e:
         assert "pp=3" in str(e)
     try:
-        LayoutSpec((0, 1), _strategy("t4"))
+        Layout((0, 1), _strategy("t4"))
         raise AssertionError("wrong rank count accepted")
-    except ShardSpecError as e:
-        assert "needs 4 ranks" in str(e)
+    except AllocationError as e:
+        assert "needs 4 workers" in str(e)

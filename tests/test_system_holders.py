@@ -8,7 +8,7 @@ from realflow.api.allocation import ParallelStrategy
 from realflow.api.batch import SequenceBatch
 from realflow.system.holders import HolderIndex, MissingKeyError
 from realflow.system.placement import assign_to_dp_ranks
-from realflow.system.plan_types import Layout
+from realflow.api.layout import Layout
 
 
 def test_add_holders_drop():

@@ -144,7 +144,6 @@ def prepare_reallocation(plan: ReallocPlan, timeout: float = 300.0, store: Any =
 def _bind(module: Optional[Module], shards: dict[str, LocalShard], plan: ReallocPlan, role: str,
           dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """full name -> this rank's tensor, after checking names, shapes, dtypes, storage."""
-    me = dist.get_rank()
     if module is None:
         raise ReallocError(f"this rank is a {role} of the plan but passed no {role} module")
     if isinstance(module, torch.nn.Module):
@@ -214,9 +213,9 @@ def reallocate(plan: ReallocPlan, resources: ReallocResources, src: Optional[Mod
         if not (isinstance(eta, (int, float)) and 0.0 <= float(eta) <= 1.0):
             raise ReallocError(f"eta={eta!r} must be a number in [0, 1]")
         eta = float(eta)
-        if me in plan.src.ranks:
+        if me in plan.src.workers:
             src_t = _bind(src, plan.src_shards[me], plan, "source", plan.src_dtype)
-        if me in plan.dst.ranks:
+        if me in plan.dst.workers:
             dst_t = _bind(dst, plan.dst_shards[me], plan, "destination", plan.dst_dtype)
     except Exception as e:  # noqa: BLE001 - every member raises it below
         err = str(e) if isinstance(e, ReallocError) else f"{type(e).__name__}: {e}"

@@ -27,9 +27,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from realflow.api.layout import Layout
 from parallel.hf_io import param_table
 from parallel.model_config import hf_arch
-from parallel.realloc.spec import LayoutSpec, LocalShard, shard_spec
+from parallel.realloc.spec import LocalShard, shard_spec
 
 __all__ = ["Copy", "ReallocPlan", "ReallocError", "plan_reallocation", "LOCAL", "SHM", "P2P"]
 
@@ -58,8 +59,8 @@ class Copy:
 class ReallocPlan:
     """Everything an executor needs; identical on every rank (see ``fingerprint``)."""
 
-    src: LayoutSpec
-    dst: LayoutSpec
+    src: Layout
+    dst: Layout
     src_shards: dict[int, dict[str, LocalShard]]
     dst_shards: dict[int, dict[str, LocalShard]]
     copies: list[Copy]
@@ -99,8 +100,8 @@ def _check_compatible(src_cfg: Any, dst_cfg: Any) -> None:
 
 def plan_reallocation(
     hf_config: Any,
-    src: LayoutSpec,
-    dst: LayoutSpec,
+    src: Layout,
+    dst: Layout,
     dtype: torch.dtype = torch.float32,
     *,
     dst_dtype: Optional[torch.dtype] = None,
@@ -115,8 +116,8 @@ def plan_reallocation(
     ``hosts`` maps global rank -> host name (list indexed by rank, or dict; from
     :func:`parallel.realloc.sync.gather_hosts`); None means one host.
     """
-    if not isinstance(src, LayoutSpec) or not isinstance(dst, LayoutSpec):
-        raise TypeError(f"plan_reallocation: src/dst must be LayoutSpec, got {type(src).__name__}/"
+    if not isinstance(src, Layout) or not isinstance(dst, Layout):
+        raise TypeError(f"plan_reallocation: src/dst must be Layout, got {type(src).__name__}/"
                         f"{type(dst).__name__}")
     dst_dtype = dtype if dst_dtype is None else dst_dtype
     for d in (dtype, dst_dtype):
@@ -124,7 +125,7 @@ def plan_reallocation(
             raise ReallocError(f"plan_reallocation: dtype {d!r} is not a floating torch.dtype")
     if dst_hf_config is not None:
         _check_compatible(hf_config, dst_hf_config)
-    members = tuple(sorted(set(src.ranks) | set(dst.ranks)))
+    members = tuple(sorted(set(src.workers) | set(dst.workers)))
     if hosts is None:
         host_map = {r: "localhost" for r in members}
     elif isinstance(hosts, dict):
@@ -138,12 +139,12 @@ def plan_reallocation(
     dst_shards = shard_spec(dst_hf_config if dst_hf_config is not None else hf_config, dst)
 
     holders: dict[str, list[tuple[int, LocalShard]]] = defaultdict(list)
-    for r in src.ranks:
+    for r in src.workers:
         for name, sh in src_shards[r].items():
             holders[name].append((r, sh))
     load: dict[int, int] = defaultdict(int)
     copies: list[Copy] = []
-    for d in dst.ranks:
+    for d in dst.workers:
         for name, dsh in dst_shards[d].items():
             if name not in holders:
                 raise ReallocError(f"plan: no source rank holds {name}")
@@ -185,8 +186,8 @@ def _merge(copies: list[Copy]) -> list[Copy]:
 
 def _fingerprint(plan: ReallocPlan) -> str:
     doc = {
-        "src": [list(plan.src.ranks), str(plan.src.strategy)],
-        "dst": [list(plan.dst.ranks), str(plan.dst.strategy)],
+        "src": [list(plan.src.workers), str(plan.src.strategy)],
+        "dst": [list(plan.dst.workers), str(plan.dst.strategy)],
         "dtypes": [str(plan.src_dtype), str(plan.dst_dtype)],
         "hosts": sorted(plan.hosts.items()),
         "shapes": sorted((r, n, list(s.local_shape)) for side in (plan.src_shards, plan.dst_shards)

@@ -1,7 +1,7 @@
 """Shard spec: which slices of each FULL megatron tensor every rank of a layout holds.
 
-A layout is ``(ranks, ParallelStrategy)`` laid out on megatron's grid (tp fastest,
-then dp, then pp; see :mod:`parallel.groups`).  For every rank the spec lists, per
+A layout (:class:`realflow.api.layout.Layout`) is a ``ParallelStrategy`` over global
+ranks on megatron's grid (tp fastest, then dp, then pp; see :mod:`parallel.groups`).  For every rank the spec lists, per
 parameter of its pipeline stage, a :class:`LocalShard`: the local name and shape
 and the *pieces* it is made of.  A piece is an index interval ``[lo, hi)`` along
 the shard's split dim in FULL-tensor coordinates (unpadded vocab rows), placed at
@@ -26,47 +26,16 @@ from typing import Any, Optional
 
 import torch
 
-from parallel.groups import ParallelStrategy, grid_rank
+from realflow.api.layout import Layout
 from parallel.hf_io import ParamMapping, param_table
 from parallel.model_config import hf_arch
 
-__all__ = ["LayoutSpec", "Piece", "LocalShard", "ShardSpecError", "shard_spec", "full_shape",
+__all__ = ["Piece", "LocalShard", "ShardSpecError", "shard_spec", "full_shape",
            "reference_shard", "allocate_shards"]
 
 
 class ShardSpecError(ValueError):
     """A layout that cannot hold the model (indivisible heads, layers, ...)."""
-
-
-@dataclass(frozen=True)
-class LayoutSpec:
-    """A model laid out as ``strategy`` on the global ``ranks`` (grid order, see groups.py)."""
-
-    ranks: tuple[int, ...]
-    strategy: ParallelStrategy
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
-        s = self.strategy
-        if len(self.ranks) != s.dp * s.tp * s.pp:
-            raise ShardSpecError(f"layout {s} needs {s.dp * s.tp * s.pp} ranks, got "
-                                 f"{len(self.ranks)}: {list(self.ranks)}")
-        if len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
-            raise ShardSpecError(f"layout {s}: ranks must be distinct and >= 0, got {list(self.ranks)}")
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp, tp, pp) grid coordinates of a global rank of this layout."""
-        idx = self.ranks.index(rank)
-        s = self.strategy
-        pp, rest = divmod(idx, s.dp * s.tp)
-        dp, tp = divmod(rest, s.tp)
-        return dp, tp, pp
-
-    def rank_at(self, dp: int, tp: int, pp: int) -> int:
-        return grid_rank(list(self.ranks), self.strategy, dp, tp, pp)
-
-    def __str__(self) -> str:
-        return f"{self.strategy}@{list(self.ranks)}"
 
 
 @dataclass(frozen=True)
@@ -144,7 +113,7 @@ def _tp_pieces(e: ParamMapping, tp: int, tp_rank: int, padded_vocab: int
     return dim, tuple(local), (Piece(tp_rank * c, (tp_rank + 1) * c, 0),)
 
 
-def _check_layout(hf_config: Any, layout: LayoutSpec) -> int:
+def _check_layout(hf_config: Any, layout: Layout) -> int:
     s = layout.strategy
     layers = int(_cfg(hf_config, "num_hidden_layers"))
     if layers % s.pp:
@@ -156,7 +125,7 @@ def _check_layout(hf_config: Any, layout: LayoutSpec) -> int:
     return layers // s.pp
 
 
-def shard_spec(hf_config: Any, layout: LayoutSpec, table: Optional[list[ParamMapping]] = None
+def shard_spec(hf_config: Any, layout: Layout, table: Optional[list[ParamMapping]] = None
                ) -> dict[int, dict[str, LocalShard]]:
     """global rank -> {full name -> LocalShard} for every rank of ``layout``.
 
@@ -170,7 +139,7 @@ def shard_spec(hf_config: Any, layout: LayoutSpec, table: Optional[list[ParamMap
     arch = hf_arch(hf_config, tp_size=s.tp)
     table = param_table(hf_config, arch) if table is None else table
     out: dict[int, dict[str, LocalShard]] = {}
-    for rank in layout.ranks:
+    for rank in layout.workers:
         _, tp_rank, pp_rank = layout.coords(rank)
         first, last = pp_rank == 0, pp_rank == s.pp - 1
         offset = pp_rank * per_stage

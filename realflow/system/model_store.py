@@ -26,9 +26,10 @@ from typing import Any
 from realflow.api.backend import model_backends
 from realflow.api.experiment import ExperimentSetup
 from realflow.api.interface import Model
+from realflow.api.layout import Layout
 from realflow.base.logging import get_logger
 from realflow.system.plan import ExecutionPlan
-from realflow.system.plan_types import Hook, Layout, Offload, ParamRealloc, Reload
+from realflow.system.plan_types import Hook, Offload, ParamRealloc, Reload
 
 logger = get_logger("model_store")
 

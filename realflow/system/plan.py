@@ -23,12 +23,13 @@ from realflow.api.allocation import parse_allocation
 from realflow.api.backend import model_backends
 from realflow.api.dfg import DataFlowGraph
 from realflow.api.experiment import ExperimentSetup
+from realflow.api.layout import Layout
 from realflow.api.registry import RegistryError
 from realflow.system.plan_hooks import (
     attach_hooks, data_transfers, group_order, offloaded_roles, realloc_pairs, role_homes,
 )
 from realflow.system.plan_types import (
-    DataTransfer, Hook, Layout, MFCPlacement, Offload, ParamRealloc, PlanError, ReallocPair, Reload,
+    DataTransfer, Hook, MFCPlacement, Offload, ParamRealloc, PlanError, ReallocPair, Reload,
 )
 
 __all__ = ["PlanError", "Layout", "MFCPlacement", "ExecutionPlan", "compile_plan", "build_graph",

@@ -23,10 +23,11 @@ from typing import Callable, Optional
 
 from realflow.api.dfg import DataFlowGraph
 from realflow.api.experiment import ExperimentSetup
+from realflow.api.layout import Layout
 from realflow.api.mfc import MFCDef, OffloadHook, ParamReallocHook
 from realflow.api.registry import did_you_mean
 from realflow.system.plan_types import (
-    DataTransfer, Hook, Layout, MFCPlacement, Offload, ParamRealloc, PlanError, ReallocPair, Reload,
+    DataTransfer, Hook, MFCPlacement, Offload, ParamRealloc, PlanError, ReallocPair, Reload,
 )
 
 __all__ = ["role_homes", "offloaded_roles", "attach_hooks", "data_transfers", "group_order", "realloc_pairs"]

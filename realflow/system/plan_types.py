@@ -8,66 +8,17 @@ runtime decides *how* (which path, which buffers).
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Union
 
-from realflow.api.allocation import ParallelStrategy
+from realflow.api.layout import Layout
 
-__all__ = ["PlanError", "Layout", "MFCPlacement", "ParamRealloc", "Offload", "Reload", "Hook",
+__all__ = ["PlanError", "MFCPlacement", "ParamRealloc", "Offload", "Reload", "Hook",
            "DataTransfer", "ReallocPair"]
 
 
 class PlanError(ValueError):
     """The graph and allocation cannot be executed as given."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A model layout: a (dp, tp, pp) strategy over an ordered set of workers.
-
-    Worker ``workers[i]`` has tp rank ``i % tp``, dp rank ``(i // tp) % dp`` and
-    pp rank ``i // (tp * dp)`` (megatron's tp-dp-pp order: tp is the fastest axis).
-    """
-
-    workers: tuple[int, ...]
-    strategy: ParallelStrategy
-
-    def coords(self, worker: int) -> tuple[int, int, int]:
-        """(dp, tp, pp) ranks of ``worker`` in this layout."""
-        i = self.workers.index(worker)
-        s = self.strategy
-        return (i // s.tp) % s.dp, i % s.tp, i // (s.tp * s.dp)
-
-    def dp_members(self, dp_rank: int) -> tuple[int, ...]:
-        """Every worker that belongs to data-parallel rank ``dp_rank``."""
-        return self._dp_members[dp_rank]
-
-    @functools.cached_property
-    def _dp_members(self) -> tuple[tuple[int, ...], ...]:  # asked per MFC call: computed once per layout
-        return tuple(tuple(w for w in self.workers if self.coords(w)[0] == d) for d in range(self.strategy.dp))
-
-    def dp_head(self, dp_rank: int) -> int:
-        """The worker that holds the outputs of ``dp_rank``: tp rank 0 of the last stage."""
-        s = self.strategy
-        return self.workers[(s.pp - 1) * s.tp * s.dp + dp_rank * s.tp]
-
-    def dp_heads(self) -> tuple[int, ...]:
-        """The output-holding worker of every dp rank, in dp order."""
-        return tuple(self.dp_head(d) for d in range(self.strategy.dp))
-
-    def grid(self) -> list[list[list[int]]]:
-        """``grid[pp][dp][tp]`` -> worker (the same order as ``parallel.groups``)."""
-        s = self.strategy
-        return [[[self.workers[p * s.dp * s.tp + d * s.tp + t] for t in range(s.tp)] for d in range(s.dp)]
-                for p in range(s.pp)]
-
-    def short(self) -> str:
-        s = self.strategy
-        return f"d{s.dp}t{s.tp}p{s.pp}@{list(self.workers)}"
-
-    def __str__(self) -> str:
-        return self.short()
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pathlib
 from typing import TYPE_CHECKING
 
-from realflow.system.plan_types import Layout
+from realflow.api.layout import Layout
 
 if TYPE_CHECKING:  # pragma: no cover
     from realflow.system.plan import ExecutionPlan

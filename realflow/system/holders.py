@@ -52,9 +52,6 @@ class HolderIndex:
         """The workers holding ``key`` of ``sample_id``, in worker order."""
         return sorted(w for w, held in self._by_key.get(key, {}).items() if sample_id in held)
 
-    def holds_all(self, worker: int, ids: Sequence[str], key: str) -> bool:
-        return self._by_key.get(key, {}).get(worker, _NOBODY).issuperset(ids)
-
     def missing(self, ids: Sequence[str], keys: Iterable[str], dest: int) -> dict[tuple[int, tuple[str, ...]], list[str]]:
         """What ``dest`` lacks of ``keys`` for ``ids``, grouped as (sender, keys) -> sample ids.
 

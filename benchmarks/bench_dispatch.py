@@ -1,6 +1,6 @@
 """Empty-MFC dispatch round trip through the real master and model worker vs raw ZMQ.
 
-One command:  python benchmarks/bench_dispatch.py [--n 500] [--rounds 5]
+One command:  python benchmarks/bench_dispatch.py [--n 50] [--rounds 60]
 
 Ours: this process is the master (``realflow.system.master.Master``); one model
 worker runs as a separate process (``realflow.system.worker_main``) with a registered
@@ -10,8 +10,11 @@ transfer grouping, a signed ``run_mfc`` request, the worker gathering the inputs
 its store, calling the interface, storing the 8-sample output and replying with its
 metadata, and the master recording who holds the outputs.
 Baseline: a raw ZMQ ROUTER->DEALER echo of an empty frame to a process on the same
-host (no codec, no signing, no dispatch). Rounds alternate; each call is timed and the ratio
-of the medians over all calls is the result (the mean per round is printed too).
+host (no codec, no signing, no dispatch). Short rounds (50 calls) of each alternate, so the
+slow drift of a shared VM (the raw round trip alone wanders by +-15% over seconds) hits both
+alike: with rounds of 500 the ratio of five runs spread over +-0.1, with rounds of 50 over
++-0.05. Each call is timed; the ratio of the medians over all calls is the result (the mean
+per round is printed too).
 
 Where the processes run matters as much as anything we do, so each placement runs in a
 fresh process with its cores fixed by ``taskset``:
@@ -146,8 +149,8 @@ PLACEMENTS = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=500, help="round trips per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--n", type=int, default=50, help="round trips per round")
+    ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--placement", choices=[*PLACEMENTS, "unpinned"], default=None,
                     help="run one placement in this process (default: every placement, each in a fresh process)")
     args = ap.parse_args()

@@ -7,8 +7,11 @@ worker runs as a separate process (``realflow.system.worker_main``) with a regis
 no-op interface and no model. Each round trip is one call of the master's
 ``_run_generation`` for an inference MFC on 8 samples: data-parallel assignment,
 transfer grouping, a signed ``run_mfc`` request, the worker gathering the inputs from
-its store, calling the interface, storing the 8-sample output and replying with its
-metadata, and the master recording who holds the outputs.
+its store, calling the interface (empty: no tensor work, see ``NullInterface``), checking
+and storing the 8-sample output and replying with its metadata, and the master recording
+who holds the outputs. ``separate_cores_fresh_output_tensor`` repeats the goal placement
+with an interface that allocates its output tensor on every call: one torch op of user
+compute, printed for reference.
 Baseline: a raw ZMQ ROUTER->DEALER echo of an empty frame to a process on the same
 host (no codec, no signing, no dispatch). Short rounds (50 calls) of each alternate, so the
 slow drift of a shared VM (the raw round trip alone wanders by +-15% over seconds) hits both
@@ -63,11 +66,28 @@ N_SAMPLES = 8
 
 @register_interface("bench_null")
 class NullInterface(ModelInterface):
-    """Returns a one-element output per sample and does nothing else."""
+    """An empty MFC: returns a one-element output per sample and does no tensor work.
+
+    The output goes through the same public ``SequenceBatch`` constructor (and its checks)
+    as any interface's; its tensor is allocated once, because allocating is user compute,
+    not dispatch: one ``torch.zeros`` call right after a wakeup costs 15-20 us on these VMs,
+    a tenth of the raw round trip. ``fresh_output=True`` allocates it on every call
+    instead; the benchmark prints that variant too, for reference.
+    """
+
+    def __init__(self, fresh_output: bool = False):
+        self.fresh_output = fresh_output
+        self._outputs: dict[int, torch.Tensor] = {}
 
     def inference(self, model, batch, mb_spec):
-        return SequenceBatch(ids=batch.ids, seqlens={"out": [[1]] * len(batch)},
-                             data={"out": torch.zeros(len(batch))})
+        n = len(batch)
+        if self.fresh_output:
+            out = torch.zeros(n)
+        else:
+            out = self._outputs.get(n)
+            if out is None:
+                out = self._outputs[n] = torch.zeros(n)
+        return SequenceBatch(ids=batch.ids, seqlens={"out": [[1]] * n}, data={"out": out})
 
 
 @register_backend("bench_null")
@@ -83,11 +103,12 @@ class NullBackend:
 @dataclass
 class BenchDispatchConfig(BaseExperimentConfig):
     data_dir: str = ""
+    fresh_output: bool = False  # the interface allocates its output tensor on every call
 
     def setup(self) -> ExperimentSetup:
         mfc = MFCDef(name="null_infer", model_name="null", interface_type=ModelInterfaceType.INFERENCE,
-                     interface_impl="bench_null", input_keys=("packed_prompts",), output_keys=("out",),
-                     n_seqs=N_SAMPLES, mb_spec=MicroBatchSpec())
+                     interface_impl="bench_null", interface_args={"fresh_output": self.fresh_output},
+                     input_keys=("packed_prompts",), output_keys=("out",), n_seqs=N_SAMPLES, mb_spec=MicroBatchSpec())
         tok = os.path.join(self.data_dir, "tokenizer")
         return ExperimentSetup(
             experiment_name="bench_dispatch", trial_name=self.trial_name, mfcs=[mfc],
@@ -153,28 +174,31 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--placement", choices=[*PLACEMENTS, "unpinned"], default=None,
                     help="run one placement in this process (default: every placement, each in a fresh process)")
+    ap.add_argument("--fresh-output", action="store_true",
+                    help="with --placement: the interface allocates its output tensor on every call")
     args = ap.parse_args()
     if args.placement is not None:
         prefix = ["taskset", "-c", PLACEMENTS[args.placement][1]] if args.placement in PLACEMENTS else []
-        print(json.dumps(measure(args.n, args.rounds, prefix)))
+        print(json.dumps(measure(args.n, args.rounds, prefix, args.fresh_output)))
         return
     if shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2:
         print("taskset missing or fewer than 2 cores: one unpinned run", file=sys.stderr)
-        runs = {"unpinned": None}
+        runs = {"unpinned": ("unpinned", None, False)}
     else:
-        runs = {name: cores[0] for name, cores in PLACEMENTS.items()}
+        runs = {name: (name, cores[0], False) for name, cores in PLACEMENTS.items()}
+        runs["separate_cores_fresh_output_tensor"] = ("separate_cores", PLACEMENTS["separate_cores"][0], True)
     results = {}
-    for name, master_core in runs.items():
-        cmd = [sys.executable, os.path.abspath(__file__), "--placement", name, "--n", str(args.n),
-               "--rounds", str(args.rounds)]
+    for label, (placement, master_core, fresh) in runs.items():
+        cmd = [sys.executable, os.path.abspath(__file__), "--placement", placement, "--n", str(args.n),
+               "--rounds", str(args.rounds)] + (["--fresh-output"] if fresh else [])
         out = subprocess.run((["taskset", "-c", master_core] if master_core else []) + cmd, check=True,
                              stdout=subprocess.PIPE, text=True, timeout=600).stdout
-        results[name] = json.loads(out.strip().splitlines()[-1])
+        results[label] = json.loads(out.strip().splitlines()[-1])
     print(json.dumps({**results, "goal": "ratio <= 2.0 with master and worker on separate cores",
                       "samples_per_mfc": N_SAMPLES, "rounds": args.rounds, "n_per_round": args.n}, indent=1))
 
 
-def measure(n: int, rounds: int, prefix: list[str]) -> dict:
+def measure(n: int, rounds: int, prefix: list[str], fresh_output: bool = False) -> dict:
     """Ours and raw ZMQ, alternating rounds; ``prefix`` starts the worker and the echo (e.g. taskset)."""
     torch.set_num_threads(1)
 
@@ -188,7 +212,7 @@ def measure(n: int, rounds: int, prefix: list[str]) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         make_data(tmp)
-        cfg = BenchDispatchConfig(data_dir=tmp, n_workers=1)
+        cfg = BenchDispatchConfig(data_dir=tmp, n_workers=1, fresh_output=fresh_output)
         setup = cfg.setup()
         secret = new_secret()
         resolver = resolver_for(setup)
@@ -200,7 +224,8 @@ def measure(n: int, rounds: int, prefix: list[str]) -> dict:
         env = dict(os.environ, REALFLOW_SECRET=secret.hex(), PYTHONPATH=REPO + os.pathsep + os.path.join(REPO, "benchmarks"))
         worker = subprocess.Popen(  # (dies with this process: it would otherwise wait for a master forever)
             [*prefix, sys.executable, "-m", "realflow.system.worker_main", "--role", "model_worker", "--index", "0",
-             "--experiment", "bench_dispatch", "--import", "bench_dispatch", "--", f"data_dir={tmp}"],
+             "--experiment", "bench_dispatch", "--import", "bench_dispatch", "--", f"data_dir={tmp}",
+             f"fresh_output={str(fresh_output).lower()}"],
             cwd=REPO, env=env, preexec_fn=make_child_setup(os.getpid()))
         try:
             master = Master(setup, compile_plan(setup), endpoint, lost_workers=monitor.lost_workers)

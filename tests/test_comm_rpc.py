@@ -106,8 +106,10 @@ def test_large_frames_zero_copy_path(master):
 
 def test_pipelined_requests(master):
     ids = [master.request("w0", "echo", i, timeout=10) for i in range(50)]
+    assert master.workers_of(ids) == {"w0"}  # (the master's heartbeat check asks who it waits for)
     results = master.wait(ids, timeout=10)
     assert [results[i] for i in ids] == list(range(50))
+    assert master.workers_of(ids) == set()  # collected: nobody is waited for any more
     with pytest.raises(ValueError, match="unknown request id"):
         master.wait(ids[:1])  # already collected
 

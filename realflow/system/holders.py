@@ -72,6 +72,8 @@ class HolderIndex:
                 if sender is None:
                     raise MissingKeyError(sid, key)
                 lacking.setdefault(sid, {}).setdefault(sender, []).append(key)
+        if not lacking:
+            return {}
         groups: dict[tuple[int, tuple[str, ...]], list[str]] = defaultdict(list)
         for sid, per_sender in lacking.items():
             for sender, sender_keys in per_sender.items():

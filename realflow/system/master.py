@@ -51,7 +51,6 @@ class Master:
     def __init__(self, setup: ExperimentSetup, plan: ExecutionPlan, endpoint, lost_workers=None):
         self.setup = setup
         self.lost_workers = lost_workers or (lambda: [])
-        self._req_worker: dict[int, str] = {}
         self._next_lost_check = 0.0  # monotonic time of the next heartbeat check (see _wait)
         self.plan = plan
         self.ep = endpoint
@@ -68,31 +67,25 @@ class Master:
 
     # ---- request helpers ------------------------------------------------------
     def _request(self, worker: int, handler: str, payload: dict, timeout: float) -> int:
-        rid = self.ep.request(self.workers[worker], handler, payload, timeout)
-        self._req_worker[rid] = self.workers[worker]
-        return rid
+        return self.ep.request(self.workers[worker], handler, payload, timeout)
 
     def _wait(self, rids: list[int], timeout: float) -> dict[int, Any]:
         """Wait for replies, failing fast (and by name) when a worker stops heartbeating."""
         ep = self.ep
         end = time.monotonic() + timeout
-        try:
-            while not ep.done(rids):
-                # heartbeats arrive every second: checking a few times a second is enough, and the
-                # timer spans calls (a check per call would cost every short MFC microseconds)
-                now = time.monotonic()
-                if now >= self._next_lost_check:
-                    lost = set(self.lost_workers()) & {self._req_worker[r] for r in rids}
-                    if lost:
-                        raise MasterError(f"worker(s) {sorted(lost)} stopped sending heartbeats; aborting the step")
-                    self._next_lost_check = now + 0.2
-                if now >= end:
-                    break  # ep.wait names who did not answer
-                ep.poll_once(min(1.0, end - now))
-            return ep.wait(rids, timeout=max(0.01, end - time.monotonic()))
-        finally:
-            for r in rids:
-                self._req_worker.pop(r, None)
+        while not ep.done(rids):
+            # heartbeats arrive every second: checking a few times a second is enough, and the
+            # timer spans calls (a check per call would cost every short MFC microseconds)
+            now = time.monotonic()
+            if now >= self._next_lost_check:
+                lost = set(self.lost_workers()) & ep.workers_of(rids)
+                if lost:
+                    raise MasterError(f"worker(s) {sorted(lost)} stopped sending heartbeats; aborting the step")
+                self._next_lost_check = now + 0.2
+            if now >= end:
+                break  # ep.wait names who did not answer
+            ep.poll_once(min(1.0, end - now))
+        return ep.wait(rids, timeout=max(0.01, end - time.monotonic()))
 
     def _all(self, handler: str, payload: dict, timeout: float, workers=None) -> dict[int, Any]:
         targets = range(self.setup.n_workers) if workers is None else workers
@@ -234,40 +227,40 @@ class Master:
     def _collect(self, mfcs: list[MFCDef], batch: SequenceBatch, replies: dict[int, Any],
                  run_reqs: dict[int, tuple[MFCDef, int]], hook_reqs: dict[int, tuple[str, str]]
                  ) -> dict[str, dict[str, float]]:
-        """Record who holds the outputs, teach the batch the new keys' sizes, reduce stats and hook times."""
-        hook_time: dict[tuple[str, str], float] = defaultdict(float)
-        for rid, where in hook_reqs.items():  # slowest participant of each MFC's pre / post hooks
-            hook_time[where] = max(hook_time[where], float(replies.pop(rid)["seconds"]))
-        per_mfc: dict[str, list[dict]] = defaultdict(list)
-        reported: dict[tuple[str, str], int] = defaultdict(int)  # (mfc, key) -> samples reported
-        new_seqlens: dict[str, dict[str, list[int]]] = defaultdict(dict)  # key -> sample -> seqlens
-        for rid, reply in replies.items():
-            mfc, w = run_reqs[rid]
+        """Record who holds the outputs, teach the batch the new keys' sizes, reduce stats and hook times.
+
+        Runs once per MFC call on the dispatch path, so it keeps to plain dicts and one pass
+        over the replies (an empty MFC's round trip is a few hundred microseconds).
+        """
+        stats: dict[str, list[dict]] = {}
+        reported: dict[tuple[str, str], int] = {}  # (mfc, key) -> samples reported
+        new_seqlens: dict[str, dict[str, list[int]]] = {}  # key -> sample -> seqlens
+        for rid, (mfc, w) in run_reqs.items():
+            reply = replies[rid]
             if reply.get("outputs") is not None:
-                for key, n in self._record_outputs(mfc, w, reply["outputs"], new_seqlens).items():
-                    reported[(mfc.name, key)] += n
+                self._record_outputs(mfc, w, reply["outputs"], new_seqlens, reported)
             if reply.get("stats"):
-                per_mfc[mfc.name].append(reply["stats"])
+                stats.setdefault(mfc.name, []).append(reply["stats"])
+        ids = batch.ids
         for key, per_sample in new_seqlens.items():  # the batch's metadata learns the new keys
-            if all(map(per_sample.__contains__, batch.ids)):
-                batch.seqlens[key] = [per_sample[sid] for sid in batch.ids]
+            if len(per_sample) == len(ids) and all(map(per_sample.__contains__, ids)):
+                batch.seqlens[key] = list(map(per_sample.__getitem__, ids))
                 batch.data[key] = None
-        results: dict[str, dict[str, float]] = {}
+        results = {mfc.name: _mean_stats(stats[mfc.name]) if mfc.name in stats else {} for mfc in mfcs}
+        for rid, (name, phase) in hook_reqs.items():  # the slowest participant of each MFC's pre / post hooks
+            seconds = float(replies[rid]["seconds"])
+            mfc_results = results[name]
+            mfc_results[f"hooks_{phase}_s"] = max(mfc_results.get(f"hooks_{phase}_s", 0.0), seconds)
         for mfc in mfcs:
-            results[mfc.name] = _mean_stats(per_mfc.get(mfc.name, []))
-            for (name, phase), seconds in hook_time.items():
-                if name == mfc.name:
-                    results[mfc.name][f"hooks_{phase}_s"] = seconds
-            if mfc.interface_type != ModelInterfaceType.TRAIN_STEP:
-                for key in mfc.output_keys:
-                    if reported[(mfc.name, key)] >= len(batch.ids):
-                        continue  # dp ranks report disjoint samples: all of them were reported
-                    missing = self.holders.unheld(batch.ids, key)
-                    if missing:
-                        raise MasterError(
-                            f"MFC '{mfc.name}' did not produce key '{key}' for {len(missing)} samples "
-                            f"(e.g. {missing[0]})"
-                        )
+            if mfc.interface_type is ModelInterfaceType.TRAIN_STEP:
+                continue
+            for key in mfc.output_keys:
+                if reported.get((mfc.name, key), 0) >= len(ids):
+                    continue  # dp ranks report disjoint samples: all of them were reported
+                missing = self.holders.unheld(ids, key)
+                if missing:
+                    raise MasterError(f"MFC '{mfc.name}' did not produce key '{key}' for {len(missing)} samples "
+                                      f"(e.g. {missing[0]})")
         return results
 
     def _send_hooks(self, mfc: MFCDef, phase: str) -> dict[int, tuple[str, str]]:
@@ -286,13 +279,13 @@ class Master:
                 rids[self._request(w, "hook", payload, self.setup.mfc_timeout_s)] = (mfc.name, phase)
         return rids
 
-    def _record_outputs(self, mfc: MFCDef, worker: int, wire: Any,
-                        new_seqlens: dict[str, dict[str, list[int]]]) -> dict[str, int]:
+    def _record_outputs(self, mfc: MFCDef, worker: int, wire: Any, new_seqlens: dict[str, dict[str, list[int]]],
+                        reported: dict[tuple[str, str], int]) -> None:
         """Note that ``worker`` now holds the output keys it reported (metadata of its reply).
 
         Only ids and key names are needed here, so the reply is checked for shape rather
         than rebuilt into a SequenceBatch (this runs once per MFC per dp head, per step).
-        Tensor keys' sizes go into ``new_seqlens``; returns the number of samples per key.
+        Tensor keys' sizes go into ``new_seqlens``, the samples reported per key into ``reported``.
         """
         try:
             ids, seqlens = wire["ids"], wire["seqlens"]
@@ -304,8 +297,13 @@ class Master:
                               f"output metadata ({e!r})") from None
         self.holders.add(ids, keys, worker)
         for key, lens in seqlens.items():  # sizes of new keys, for token balancing downstream
-            new_seqlens[key].update(zip(ids, lens))
-        return dict.fromkeys(keys, len(ids))
+            per_sample = new_seqlens.get(key)
+            if per_sample is None:
+                new_seqlens[key] = dict(zip(ids, lens))
+            else:
+                per_sample.update(zip(ids, lens))
+        for key in keys:
+            reported[(mfc.name, key)] = reported.get((mfc.name, key), 0) + len(ids)
 
     def _missing(self, ids: list[str], keys, dest: int) -> dict[tuple[int, tuple[str, ...]], list[str]]:
         """Group the (sample, key) pairs ``dest`` lacks by the worker that will send them."""

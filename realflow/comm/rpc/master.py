@@ -154,6 +154,11 @@ class MasterEndpoint(SocketEndpoint):
         """True when every request in ``request_ids`` has a reply (or error) waiting to be collected."""
         return all(rid in self._results for rid in request_ids)
 
+    def workers_of(self, request_ids: Iterable[int]) -> set[str]:
+        """The workers that requests in ``request_ids`` (issued, not yet collected) were sent to."""
+        pending = self._pending
+        return {pending[rid].worker for rid in request_ids if rid in pending}
+
     def forget(self, request_ids: Iterable[int]) -> None:
         """Stop tracking requests (their late replies are dropped)."""
         for rid in request_ids:

@@ -243,7 +243,7 @@ class Master:
                 stats.setdefault(mfc.name, []).append(reply["stats"])
         ids = batch.ids
         for key, per_sample in new_seqlens.items():  # the batch's metadata learns the new keys
-            if len(per_sample) == len(ids) and all(map(per_sample.__contains__, ids)):
+            if len(per_sample) >= len(ids) and all(map(per_sample.__contains__, ids)):
                 batch.seqlens[key] = list(map(per_sample.__getitem__, ids))
                 batch.data[key] = None
         results = {mfc.name: _mean_stats(stats[mfc.name]) if mfc.name in stats else {} for mfc in mfcs}

@@ -11,8 +11,9 @@ parallel is fastest, then data parallel, then pipeline parallel::
 
     ranks[pp_rank * dp * tp + dp_rank * tp + tp_rank]
 
-so a tensor-parallel group is a run of adjacent entries of ``ranks`` (adjacent
-GPUs of one node when the caller lists ranks node by node).
+(:class:`realflow.api.layout.Layout`, shared with the plan and reallocation), so a
+tensor-parallel group is a run of adjacent entries of ``ranks`` (adjacent GPUs of one
+node when the caller lists ranks node by node).
 
 Group creation is collective over the DEFAULT group: every rank of the default
 group must call :func:`build_model_groups` for every model, in the same order,
@@ -28,13 +29,9 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from realflow.api.allocation import ParallelStrategy
+from realflow.api.layout import Layout
 
-__all__ = ["ModelGroups", "ParallelStrategy", "build_model_groups", "grid_rank"]
-
-
-def grid_rank(ranks: list[int], strategy: ParallelStrategy, dp: int, tp: int, pp: int) -> int:
-    """Global rank at grid coordinates (dp, tp, pp) of a model laid out on ``ranks``."""
-    return ranks[pp * strategy.dp * strategy.tp + dp * strategy.tp + tp]
+__all__ = ["ModelGroups", "ParallelStrategy", "build_model_groups"]
 
 
 @dataclass
@@ -123,8 +120,7 @@ def build_model_groups(
     ranks = [int(r) for r in ranks]
     _check(ranks, strategy, dist.get_world_size())
     dp, tp, pp = strategy.dp, strategy.tp, strategy.pp
-    grid = [[[grid_rank(ranks, strategy, d, t, p) for t in range(tp)] for d in range(dp)]
-            for p in range(pp)]
+    grid = Layout(tuple(ranks), strategy).grid()
     me = dist.get_rank()
 
     created: dict[tuple[int, ...], Optional[dist.ProcessGroup]] = {}

@@ -1,23 +1,22 @@
-"""Layout: megatron grid order, dp heads, and the checks on its workers."""
+"""Layout: megatron grid order (the one parallel.groups builds groups in), dp heads, and the checks on its workers."""
 from __future__ import annotations
 
 import itertools
 
 import pytest
 
-from parallel.groups import grid_rank
 from realflow.api.allocation import AllocationError, ParallelStrategy
 from realflow.api.layout import Layout
 
 
 @pytest.mark.parametrize("dp,tp,pp", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (3, 2, 1)])
-def test_grid_order_matches_parallel_groups(dp, tp, pp):
+def test_grid_order_is_megatrons(dp, tp, pp):
     s = ParallelStrategy(dp=dp, tp=tp, pp=pp)
     workers = [10 + 3 * i for i in range(s.world_size)]  # not 0..n-1: positions and ids must not be confused
     lay = Layout(tuple(workers), s)
     for d, t, p in itertools.product(range(dp), range(tp), range(pp)):
         w = lay.worker_at(d, t, p)
-        assert w == grid_rank(workers, s, d, t, p)  # the order megatron's groups are built in
+        assert w == workers[p * dp * tp + d * tp + t]  # tp fastest, then dp, then pp (parallel.groups builds on it)
         assert lay.coords(w) == (d, t, p)
         assert lay.grid()[p][d][t] == w
     for d in range(dp):

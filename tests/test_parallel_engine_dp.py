@@ -293,11 +293,11 @@ def test_engine_dp(results, case):
 
 def test_grid_order():
     """tp fastest, then dp, then pp (megatron's default order)."""
-    from parallel.groups import ParallelStrategy, grid_rank
+    from parallel.groups import ParallelStrategy
+    from realflow.api.layout import Layout
 
-    s = ParallelStrategy(dp=2, tp=2, pp=2)
-    ranks = list(range(10, 18))
-    assert [grid_rank(ranks, s, 0, t, 0) for t in range(2)] == [10, 11]
-    assert [grid_rank(ranks, s, d, 0, 0) for d in range(2)] == [10, 12]
-    assert [grid_rank(ranks, s, 0, 0, p) for p in range(2)] == [10, 14]
-    assert grid_rank(ranks, s, 1, 1, 1) == 17
+    lay = Layout(tuple(range(10, 18)), ParallelStrategy(dp=2, tp=2, pp=2))
+    assert [lay.worker_at(0, t, 0) for t in range(2)] == [10, 11]
+    assert [lay.worker_at(d, 0, 0) for d in range(2)] == [10, 12]
+    assert [lay.worker_at(0, 0, p) for p in range(2)] == [10, 14]
+    assert lay.worker_at(1, 1, 1) == 17

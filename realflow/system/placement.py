@@ -14,8 +14,7 @@ TOKEN_KEY = "packed_input_ids"
 
 
 def sample_tokens(batch: SequenceBatch) -> list[int]:
-    key = TOKEN_KEY if TOKEN_KEY in batch.seqlens else sorted(batch.seqlens)[0]
-    return [sum(lens) for lens in batch.seqlens[key]]
+    return [sum(lens) for lens in batch.seqlens[_first_key(batch)]]
 
 
 def assign_to_dp_ranks(batch: SequenceBatch, layout, holders: HolderIndex, slack: float = 0.1
@@ -67,4 +66,5 @@ def assign_to_dp_ranks(batch: SequenceBatch, layout, holders: HolderIndex, slack
 
 
 def _first_key(batch: SequenceBatch) -> str:
+    """The key whose sizes stand for a sample's tokens (and whose holders say where it lives)."""
     return TOKEN_KEY if TOKEN_KEY in batch.seqlens else sorted(batch.seqlens)[0]

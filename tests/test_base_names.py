@@ -18,7 +18,7 @@ def test_keys_are_scoped_by_experiment_and_trial():
     assert w3 == "model_worker/3"
     keys = [names.master_address("e", "t"), names.heartbeat_address("e", "t"), names.heartbeat_address("e", "t", w3),
             names.distributed_address("e", "t"), names.distributed_address("e", "t", "actor_tp0"),
-            names.gen_server_address("e", "t", 0), names.gen_manager_address("e", "t"),
+            names.gen_server_address("e", "t", 0), names.rollout_controller_address("e", "t"),
             names.worker_status("e", "t", w3)]
     assert len(set(keys)) == len(keys)
     for key in keys:

@@ -20,7 +20,7 @@ import requests
 import torch
 
 from parallel.testing import make_tiny_hf
-from realflow.system.gen_client import GenerationClient, GenerationServerError
+from realflow.rollout.gen_client import GenerationClient, GenerationServerError
 
 torch.set_num_threads(1)
 LOGPROB_ATOL = 1e-4
@@ -45,7 +45,7 @@ def server(models, tmp_path_factory):
     log = open(log_path, "w")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "realflow.system.gen_server", "--model", models["a"][0],
+        [sys.executable, "-m", "realflow.rollout.gen_server", "--model", models["a"][0],
          "--backend", "builtin", "--import", "parallel.generation", "--port", "0",
          "--threads", "1", "--max-running-requests", "16"],
         stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
@@ -299,7 +299,7 @@ def _wait_until(cond, timeout=3.0):
 
 def test_step_wait_warns_names_holder_and_keeps_waiting(caplog):
     """A step thread kept from the backend lock warns once per period, names the holder, never raises."""
-    from realflow.system.gen_server_state import _BackendLock
+    from realflow.rollout.gen_server_state import _BackendLock
 
     period = 0.2
     lock = _BackendLock(warn_after_s=period)

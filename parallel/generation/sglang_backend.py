@@ -4,7 +4,7 @@ On GPU, SGLang already speaks the HTTP API realflow's gen server copies
 (``/generate``, ``/update_weights_from_disk``, ``/pause_generation``, ...), so
 this backend does not wrap an engine: ``gen_server --backend sglang`` replaces
 itself with ``python -m sglang.launch_server`` and
-:class:`realflow.system.gen_client.GenerationClient` talks to it unchanged.
+:class:`realflow.rollout.gen_client.GenerationClient` talks to it unchanged.
 Imports are lazy: nothing here needs CUDA or sglang until it is used.  Not
 tested in CI (no GPU, no sglang on CPU machines).
 """

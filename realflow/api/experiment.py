@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from realflow.api.mfc import MFCDef
+from realflow.api.rollout import RolloutSpec
 from realflow.api.registry import Registry
 
 
@@ -108,6 +109,17 @@ class ExperimentSetup:
     mfc_timeout_s: float = 1800.0
     heartbeat_timeout_s: float = 10.0
     trace: bool = True
+    rollout: Optional["RolloutSpec"] = None  # set: asynchronous PPO (trajectories come from the rollout side)
+
+    def name_resolve_config(self) -> dict[str, Any]:
+        """The name-resolution config every process of this run uses (the file backend
+        defaults to a directory inside the run directory)."""
+        import os
+
+        conf = dict(self.name_resolve)
+        if conf.get("type", "file") == "file" and not conf.get("root"):
+            conf["root"] = os.path.join(self.run_dir, "name_resolve")
+        return conf
 
     def train_roles(self) -> list[str]:
         return sorted(r for r, m in self.models.items() if m.optimizer is not None)

@@ -1,6 +1,6 @@
 """The generation-backend contract (DESIGN §7): one interface, several engines.
 
-The gen server (:mod:`realflow.system.gen_server`) must not import ``parallel/``,
+The gen server (:mod:`realflow.rollout.gen_server`) must not import ``parallel/``,
 so what it needs from an engine is written down here: request parameters
 (:class:`SamplingParams`), results (:class:`GenerationResult`), the engine
 protocol (:class:`GenerationBackend`) and the registry the engines put their

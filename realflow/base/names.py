@@ -90,6 +90,28 @@ def gen_server_address(experiment: str, trial: str, index: int) -> str:
     return f"{gen_server_root(experiment, trial)}/{index}"
 
 
-def gen_manager_address(experiment: str, trial: str) -> str:
-    """HTTP base URL of the generation manager (async PPO)."""
-    return f"{trial_root(experiment, trial)}/gen_manager/address"
+def rollout_controller_address(experiment: str, trial: str) -> str:
+    """HTTP base URL of the rollout controller (async PPO)."""
+    return f"{trial_root(experiment, trial)}/rollout_controller/address"
+
+
+ROLLOUT_CONTROLLER = "rollout_controller"  # its scheduler name, RPC identity and log role
+
+
+def rollout_worker_name(index: int) -> str:
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise NameResolveError(f"rollout worker index must be an int >= 0, got {index!r}")
+    return f"rollout_worker/{index}"
+
+
+def gen_server_name(index: int) -> str:
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise NameResolveError(f"gen server index must be an int >= 0, got {index!r}")
+    return f"gen_server/{index}"
+
+
+def trajectory_inbox_address(experiment: str, trial: str, index: int) -> str:
+    """``tcp://host:port`` where model worker ``index`` receives finished trajectories (async PPO)."""
+    if not isinstance(index, int) or index < 0:
+        raise NameResolveError(f"model worker index must be an int >= 0, got {index!r}")
+    return f"{trial_root(experiment, trial)}/trajectory_inbox/{index}"

@@ -63,7 +63,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 __all__ = [
     "SECRET_ENV", "AuthError", "Envelope", "Signer", "Verifier",
-    "new_secret", "secret_to_hex", "secret_from_env", "check_secret",
+    "new_secret", "http_token", "secret_to_hex", "secret_from_env", "check_secret",
 ]
 
 SECRET_ENV = "REALFLOW_SECRET"
@@ -91,6 +91,16 @@ def new_secret(nbytes: int = 32) -> bytes:
     if nbytes < MIN_SECRET_BYTES:
         raise ValueError(f"secret must be at least {MIN_SECRET_BYTES} bytes, asked for {nbytes}")
     return os.urandom(nbytes)
+
+
+def http_token(secret: bytes) -> str:
+    """The bearer token of an experiment's HTTP services (gen servers, rollout controller).
+
+    Derived from the secret with a separate personalization, so the token (which an
+    HTTP client sends in clear on loopback) never reveals the control plane's MAC key.
+    """
+    return hashlib.blake2b(b"http-bearer", key=check_secret(secret)[:64], digest_size=24,
+                           person=b"realflow/http/v1").hexdigest()
 
 
 def secret_to_hex(secret: bytes) -> str:

@@ -96,24 +96,21 @@ class Master:
     # ---- the run --------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         s = self.setup
-        self.ep.wait_for_workers(self.workers, timeout=s.setup_timeout_s)
+        self._connect()
         logger.info(f"all {len(self.workers)} model workers connected; loading data")
         with self.tracer.span("load_data"):
             loaded = self._all("load_data", {}, s.setup_timeout_s)
-        n_train = sum(r["n_train_samples"] for r in loaded.values())
-        steps_per_epoch = max(1, n_train // self.batch_size)
-        total = s.total_train_epochs * steps_per_epoch
-        if s.max_train_steps is not None:
-            total = min(total, s.max_train_steps)
-        logger.info(f"{n_train} training samples, batch {self.batch_size}: {total} steps; setting up models")
+        total = self._total_steps(sum(r["n_train_samples"] for r in loaded.values()))
         with self.tracer.span("setup"):
             self._all("setup", {"total_train_steps": total}, s.setup_timeout_s)
         self.progress.start(total)
         summary: dict[str, Any] = {"total_steps": total}
         summary["eval_before"] = self._evaluate()
         t_start = time.perf_counter()
+        self._before_training()
         for self.step in range(1, total + 1):
             step_stats = self._run_step()
+            step_stats.update(self._after_step(step_stats))
             self.stats.log(self.step, step_stats)
             self.progress.update(self.step, step_stats)
             if s.eval is not None and s.eval.freq_steps and self.step % s.eval.freq_steps == 0 and self.step < total:
@@ -121,6 +118,7 @@ class Master:
             if s.save_freq_steps and self.step % s.save_freq_steps == 0 and self.step < total:
                 self._save(f"step{self.step}")
         summary["train_time_s"] = time.perf_counter() - t_start
+        summary.update(self._after_training())
         summary["eval_after"] = self._evaluate()
         summary["checkpoints"] = self._save("final")
         self._all("finish", {}, 120.0)
@@ -132,6 +130,29 @@ class Master:
         self.stats.close()
         self.progress.finish(summary)
         return summary
+
+    # ---- what an asynchronous run changes (see realflow.system.async_master) -------
+    def _connect(self) -> None:
+        self.ep.wait_for_workers(self.workers, timeout=self.setup.setup_timeout_s)
+
+    def _total_steps(self, n_train: int) -> int:
+        steps_per_epoch = max(1, n_train // self.batch_size)
+        total = self.setup.total_train_epochs * steps_per_epoch
+        if self.setup.max_train_steps is not None:
+            total = min(total, self.setup.max_train_steps)
+        logger.info(f"{n_train} training samples, batch {self.batch_size}: {total} steps; setting up models")
+        return total
+
+    def _before_training(self) -> None:
+        """Runs once after the first evaluation, before step 1."""
+
+    def _after_step(self, stats: dict[str, float]) -> dict[str, float]:
+        """Runs after each step; returns more stats for the step."""
+        return {}
+
+    def _after_training(self) -> dict[str, Any]:
+        """Runs once after the last step, before the final evaluation; returns summary entries."""
+        return {}
 
     def _run_step(self) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -31,6 +31,7 @@ from realflow.system.data_manager import DataManager
 from realflow.system.data_stream import ShardStream
 from realflow.system.model_store import ModelStore
 from realflow.system.plan import ExecutionPlan
+from realflow.system.trajectory_inbox import TrajectoryInbox
 
 logger = get_logger("model_worker")
 
@@ -49,7 +50,8 @@ class _MFCCall:
 
 
 class ModelWorker:
-    def __init__(self, setup: ExperimentSetup, plan: ExecutionPlan, index: int, resolver, on_finish=None):
+    def __init__(self, setup: ExperimentSetup, plan: ExecutionPlan, index: int, resolver, on_finish=None,
+                 secret: bytes | None = None):
         self.setup = setup
         self.plan = plan
         self.index = index
@@ -63,6 +65,13 @@ class ModelWorker:
         self.tracer = Tracer(self.name, enabled=setup.trace)
         self.on_finish = on_finish
         self._calls: dict[str, _MFCCall] = {}  # per MFC name, filled on its first run
+        self.inbox: TrajectoryInbox | None = None
+        if setup.rollout is not None:  # asynchronous PPO: rollouts arrive here, not from a data set
+            if secret is None:
+                raise ValueError("an asynchronous run's model worker needs the experiment secret")
+            self.inbox = TrajectoryInbox(self.name, secret)
+            resolver.add(names.trajectory_inbox_address(setup.experiment_name, setup.trial_name, index),
+                         self.inbox.address, replace=True)
 
     # ---- handlers ---------------------------------------------------------------
     def handlers(self) -> dict[str, Any]:
@@ -77,6 +86,9 @@ class ModelWorker:
             "save": self.save,
             "drop": self.drop,
             "finish": self.finish,
+            "peek_trajectories": self.peek_trajectories,
+            "take_trajectories": self.take_trajectories,
+            "publish_weights": self.publish_weights,
             "ping": lambda payload: {"worker": self.name},
         }
 
@@ -111,6 +123,40 @@ class ModelWorker:
             return {"batch": None, "epoch_done": epoch_done}
         self.data.put(batch)
         return {"batch": batch.meta().to_wire(), "epoch_done": epoch_done}
+
+    def peek_trajectories(self, payload: dict) -> list[dict]:
+        """The rollouts waiting in this worker's inbox (ids and versions; asynchronous runs)."""
+        return [] if self.inbox is None else self.inbox.peek()
+
+    def take_trajectories(self, payload: dict) -> dict:
+        """Move the master's pick from the inbox into the data manager; return their metadata."""
+        assert self.inbox is not None, "not an asynchronous run"
+        batch = self.inbox.take(payload["ids"])
+        self.data.put(batch)
+        return {"batch": batch.meta().to_wire()}
+
+    def publish_weights(self, payload: dict) -> dict:
+        """Export the role's full weights for the generation servers (collective over its home ranks).
+
+        ``mode="memory"``: HF-named tensors in one shared-memory segment, whose handle the
+        controller hands to every server (released after the round); ``"disk"``: an HF
+        checkpoint at ``path``. Only the writer (dp 0, tp 0, pp 0) returns something.
+        """
+        role = payload["role"]
+        model = self.store.home_model(role)
+        with self.tracer.span(f"publish:{role}", version=payload["version"]):
+            if payload["mode"] == "disk":
+                iface = next(self.interfaces[m.name] for m in self.setup.mfcs if m.model_name == role)
+                iface.save(model, payload["path"])
+                return {"path": payload["path"] if self._is_writer(role) else None}
+            state = model.module.full_hf_state()
+            if state is None:
+                return {"handle": None}
+            prefix = shm.segment_prefix(self.setup.experiment_name, self.setup.trial_name)
+            return {"handle": shm.put_tensors(state, prefix=prefix)}
+
+    def _is_writer(self, role: str) -> bool:
+        return self.plan.role_home[role].workers[0] == self.index
 
     def stage(self, payload: dict) -> dict:
         with self.tracer.span("stage", n=len(payload["ids"])):
@@ -204,6 +250,8 @@ class ModelWorker:
     def finish(self, payload: dict) -> dict:
         self.tracer.save(os.path.join(self.setup.run_dir, "trace", f"{self.index}.json"))
         self.data.close()
+        if self.inbox is not None:
+            self.inbox.close()
         if self.on_finish is not None:  # stop serving once this reply is sent
             self.on_finish()
         return {"worker": self.name}
@@ -231,8 +279,10 @@ class ModelWorker:
         roles = self.plan.role_home
         spec = next(iter(self.setup.models.values()))
         tokenizer = _load_tokenizer(spec.tokenizer_path or spec.path)
-        samples = load_dataset_shard(self.setup.dataset, tokenizer, self.index, self.setup.n_workers)
-        self.train_stream = ShardStream(samples, seed=self.setup.seed + self.index)
+        samples = []
+        if self.setup.rollout is None:  # (asynchronous runs train on the rollouts' stream instead)
+            samples = load_dataset_shard(self.setup.dataset, tokenizer, self.index, self.setup.n_workers)
+            self.train_stream = ShardStream(samples, seed=self.setup.seed + self.index)
         ev = self.setup.eval
         if ev is not None and self.index in roles[ev.role].workers:
             layout = roles[ev.role]

@@ -34,15 +34,13 @@ def build_setup(experiment: str, overrides: list[str]) -> tuple[object, Experime
 
 
 def resolver_for(setup: ExperimentSetup):
-    conf = dict(setup.name_resolve)
-    if conf.get("type", "file") == "file" and not conf.get("root"):
-        conf["root"] = os.path.join(setup.run_dir, "name_resolve")
-    return make_name_resolver(conf)
+    return make_name_resolver(setup.name_resolve_config())
 
 
 def run_master(setup: ExperimentSetup, secret: bytes) -> int:
     from realflow.comm.heartbeat import HeartbeatMonitor
     from realflow.comm.rpc import MasterEndpoint
+    from realflow.system.async_master import AsyncMaster
     from realflow.system.master import Master
 
     plan = compile_plan(setup)
@@ -52,7 +50,10 @@ def run_master(setup: ExperimentSetup, secret: bytes) -> int:
     key = names.master_address(setup.experiment_name, setup.trial_name)
     resolver.add(key, endpoint.address, replace=True)
     resolver.add(names.heartbeat_address(setup.experiment_name, setup.trial_name), monitor.address, replace=True)
-    master = Master(setup, plan, endpoint, lost_workers=monitor.lost_workers)
+    cls = Master if setup.rollout is None else AsyncMaster
+    if setup.rollout is not None:  # the rollout side's long-lived processes must keep beating
+        monitor.expect([names.ROLLOUT_CONTROLLER])
+    master = cls(setup, plan, endpoint, lost_workers=monitor.lost_workers)
     try:
         summary = master.run()
         logger.info(f"run finished: {summary}")
@@ -90,7 +91,7 @@ def run_model_worker(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     beat = Heartbeater(name, hb_addr, secret).start()
     endpoint = WorkerEndpoint(name, master_addr, secret)
     stop = threading.Event()
-    worker = ModelWorker(setup, plan, index, resolver, on_finish=stop.set)
+    worker = ModelWorker(setup, plan, index, resolver, on_finish=stop.set, secret=secret)
     try:
         endpoint.serve(worker.handlers(), stop)
         return 0

@@ -1,7 +1,7 @@
 """The gen server's in-process state machine: the backend, its step thread, pending requests.
 
 Why a module of its own: this is the part with threads and locks; the HTTP API
-(:mod:`realflow.system.gen_server`) only parses requests and calls into it.
+(:mod:`realflow.rollout.gen_server`) only parses requests and calls into it.
 
 Concurrency: the backend is stepped by ONE thread; HTTP handlers (asyncio)
 only enqueue under the same lock, so requests join the running batch at the

@@ -42,13 +42,15 @@ class GenerationClient:
     """HTTP client of one generation server (``base_url`` like ``http://127.0.0.1:30000``)."""
 
     def __init__(self, base_url: str, timeout: float = 60.0,
-                 generate_timeout: Optional[float] = 600.0) -> None:
+                 generate_timeout: Optional[float] = 600.0, api_key: Optional[str] = None) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url {base_url!r} must start with http:// or https://")
         self.base_url = base_url.rstrip("/")
         self.timeout = float(timeout)
         self.generate_timeout = generate_timeout
         self._session = requests.Session()
+        if api_key is not None:
+            self._session.headers["Authorization"] = f"Bearer {api_key}"
 
     def close(self) -> None:
         self._session.close()

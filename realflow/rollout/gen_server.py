@@ -1,7 +1,7 @@
 """Generation server: a generation backend behind SGLang's native HTTP API.
 
 Why SGLang's API: on GPU the gen server IS SGLang; the gen manager and rollout
-workers talk to both through one client (:mod:`realflow.system.gen_client`).
+workers talk to both through one client (:mod:`realflow.rollout.gen_client`).
 Endpoints (JSON in and out; bad input -> 4xx ``{"error": message}``):
 
 * ``POST /generate``  ``input_ids`` (list, or list of lists), ``sampling_params``
@@ -14,8 +14,9 @@ Endpoints (JSON in and out; bad input -> 4xx ``{"error": message}``):
   ``output_token_weight_versions`` (realflow's addition: one per token).
 * ``POST /update_weights_from_disk`` ``{model_path, weight_version?}``.
 * ``POST /update_weights_from_tensor`` ``{shm_handle, format: hf|megatron,
-  weight_version?}``: the handle of :func:`realflow.comm.shm.put_tensors`
-  (SGLang's own endpoint carries pickled tensors; no pickle here).
+  weight_version?, unlink?}``: the handle of :func:`realflow.comm.shm.put_tensors`
+  (SGLang's own endpoint carries pickled tensors; no pickle here). ``unlink: false``
+  leaves the segment for other servers (the sender releases it).
 * ``POST /pause_generation`` ``{mode}``: ``abort`` (default, as SGLang) ends
   running and queued requests now, each answering what it generated so far
   with finish type ``abort`` (the manager resubmits prompt + prefix);
@@ -27,19 +28,21 @@ Endpoints (JSON in and out; bad input -> 4xx ``{"error": message}``):
   (Prometheus text).
 
 This module is the HTTP side only: handlers parse requests and call the
-server's state machine (:class:`~realflow.system.gen_server_state.GenServer`,
+server's state machine (:class:`~realflow.rollout.gen_server_state.GenServer`,
 which owns the backend, its step thread and the lock; concurrency is described
 there).  The server binds 127.0.0.1 unless told otherwise.
 
 Entry point::
 
-    python -m realflow.system.gen_server --model PATH --backend builtin --port 0 \\
+    python -m realflow.rollout.gen_server --model PATH --backend builtin --port 0 \\
         --import parallel.generation
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
+import os
 import importlib
 import json
 import logging
@@ -51,9 +54,9 @@ from aiohttp import web
 
 from realflow.api.generation import (PAUSE_MODES, BackendConfig, ExternalServerBackend,
                                      GenerationResult, SamplingParams, generation_backends)
-from realflow.system.gen_server_state import BadRequest, GenServer
+from realflow.rollout.gen_server_state import BadRequest, GenServer
 
-__all__ = ["GenServer", "build_app", "main"]
+__all__ = ["GenServer", "build_app", "serve", "main"]
 
 logger = logging.getLogger("realflow.gen_server")
 
@@ -140,11 +143,20 @@ def _result_json(server: GenServer, r: GenerationResult, return_logprob: bool) -
 # ---------------------------------------------------------------- handlers
 
 
-def build_app(server: GenServer) -> web.Application:
-    """The aiohttp application for ``server`` (its step thread is started on startup)."""
+def build_app(server: GenServer, api_key: Optional[str] = None) -> web.Application:
+    """The aiohttp application for ``server`` (its step thread is started on startup).
+
+    With ``api_key`` every request must carry ``Authorization: Bearer <api_key>`` (as
+    SGLang's ``--api-key``); anything else is answered 401 before it is parsed.
+    """
+    expected = None if api_key is None else f"Bearer {api_key}"
 
     @web.middleware
     async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
+        if expected is not None and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), expected.encode()):
+            server.bad_requests_total += 1
+            return web.json_response({"error": "missing or wrong API key", "success": False}, status=401)
         try:
             return await handler(request)
         except BadRequest as e:
@@ -199,12 +211,15 @@ def build_app(server: GenServer) -> web.Application:
             raise BadRequest("shm_handle (from realflow.comm.shm.put_tensors) is required")
         fmt = body.get("format", "hf")
         version = _version(body)
+        unlink = body.get("unlink", True)
+        if not isinstance(unlink, bool):
+            raise BadRequest(f"unlink must be a boolean, got {unlink!r}")
 
         def work() -> int:
             from realflow.comm.shm import ShmError, take_tensors
 
             try:
-                tensors = take_tensors(handle)
+                tensors = take_tensors(handle, unlink=unlink)
             except ShmError as e:
                 raise BadRequest(str(e)) from None
             with server.lock:
@@ -290,13 +305,17 @@ def _version(body: dict[str, Any]) -> Optional[int]:
 # ---------------------------------------------------------------- entry point
 
 
-async def _serve(app: web.Application, host: str, port: int) -> None:
+async def serve(app: web.Application, host: str, port: int, on_ready: Any = None) -> None:
+    """Serve ``app`` until cancelled; ``on_ready(url)`` runs once the port is bound."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     actual = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    print(f"READY http://{host}:{actual}", flush=True)
+    url = f"http://{host}:{actual}"
+    print(f"READY {url}", flush=True)
+    if on_ready is not None:
+        on_ready(url)
     try:
         while True:
             await asyncio.sleep(3600)
@@ -305,7 +324,7 @@ async def _serve(app: web.Application, host: str, port: int) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m realflow.system.gen_server",
+    ap = argparse.ArgumentParser(prog="python -m realflow.rollout.gen_server",
                                  description="generation server (SGLang-compatible HTTP API)")
     ap.add_argument("--model", required=True, help="HF checkpoint directory")
     ap.add_argument("--backend", default="builtin", help="generation backend name (registry)")
@@ -319,6 +338,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--api-key-env", default=None,
+                    help="environment variable holding the API key clients must send (Bearer)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gen_server %(levelname)s %(message)s")
     if a.threads:
@@ -336,7 +357,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return backend.serve(a.host, a.port)
     server = GenServer(backend, a.model)
     try:
-        asyncio.run(_serve(build_app(server), a.host, a.port))
+        api_key = os.environ[a.api_key_env] if a.api_key_env else None
+        asyncio.run(serve(build_app(server, api_key), a.host, a.port))
     except KeyboardInterrupt:
         pass
     return 0

@@ -1,0 +1,179 @@
+"""The contract between the rollout side (asynchronous PPO) and the trainer.
+
+The rollout side (``realflow/rollout``: gen servers, the rollout controller,
+rollout workers running agents) and the trainer (``realflow/system``: master and
+model workers) are separate systems that share only what is written here:
+
+* :class:`RolloutSpec`: everything the rollout side needs to run (servers,
+  agent, staleness bound, weight sync), part of an :class:`ExperimentSetup`;
+* :class:`Trajectory` and :func:`rollout_to_batch`: what an agent returns and the
+  one-sample :class:`SequenceBatch` it becomes on the wire, with the keys the PPO
+  graph reads and the weight version of every generated token;
+* the metadata keys the trainer reads to bound staleness exactly.
+
+Token alignment follows :mod:`mfc.rl_batch`: per-token keys are aligned with
+``packed_input_ids`` and entry ``t`` belongs to the action of predicting token
+``t + 1`` (so the behaviour log-prob of generated token ``j`` sits at ``j - 1``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from realflow.api.batch import SequenceBatch
+
+__all__ = ["RolloutSpec", "Trajectory", "rollout_to_batch", "TRAJECTORY_KEYS", "VERSION_ADMIT",
+           "VERSION_OLDEST", "VERSION_NEWEST", "WEIGHT_SYNC_MODES", "INTERRUPT_MODES", "RolloutError"]
+
+INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS = (
+    "packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "rewards")
+VERSIONS = "packed_versions"
+#: tensor keys of every trajectory sample (the async graph's source keys)
+TRAJECTORY_KEYS = (INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, VERSIONS)
+#: metadata: the weight version when the rollout was admitted, and of its oldest / newest token
+VERSION_ADMIT, VERSION_OLDEST, VERSION_NEWEST = "version_admit", "version_oldest", "version_newest"
+WEIGHT_SYNC_MODES = ("memory", "disk")
+INTERRUPT_MODES = ("abort", "recompute")
+
+
+class RolloutError(ValueError):
+    """A bad rollout configuration or trajectory; the message names the field or the agent."""
+
+
+@dataclass
+class RolloutSpec:
+    """What the rollout side of an asynchronous run needs (built by the experiment config).
+
+    ``train_batch_size`` counts rollouts (one agent episode on one data row, i.e. one
+    sample of the trainer's batch, holding the episode's group of trajectories).
+    """
+
+    model_path: str
+    tokenizer_path: str
+    dataset_path: str
+    dataset_format: str = "prompt_answer"
+    dataset_args: dict[str, Any] = field(default_factory=dict)
+    n_servers: int = 1
+    server_tp: int = 1
+    backend: str = "builtin"
+    backend_imports: list[str] = field(default_factory=lambda: ["parallel.generation"])
+    max_running_requests: int = 64
+    n_rollout_workers: int = 1
+    max_concurrent_rollouts: int = 32  # per rollout worker
+    agent: str = "math"
+    agent_args: dict[str, Any] = field(default_factory=dict)
+    agent_imports: list[str] = field(default_factory=list)
+    max_head_offpolicyness: int = 4
+    train_batch_size: int = 16
+    weight_sync: str = "memory"
+    interrupt_mode: str = "abort"
+    reward_timeout_s: float = 10.0
+    reward_processes: int = 1
+    request_timeout_s: float = 600.0
+    health_interval_s: float = 1.0
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> RolloutError:
+            return RolloutError(f"{name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.max_head_offpolicyness, int) or self.max_head_offpolicyness < 0:
+            raise bad("max_head_offpolicyness", "must be an integer >= 0 (0 = on-policy)")
+        for name in ("n_servers", "server_tp", "n_rollout_workers", "max_concurrent_rollouts",
+                     "train_batch_size", "max_running_requests", "reward_processes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(name, "must be an integer >= 1")
+        if self.weight_sync not in WEIGHT_SYNC_MODES:
+            raise bad("weight_sync", f"expected one of {WEIGHT_SYNC_MODES}")
+        if self.interrupt_mode not in INTERRUPT_MODES:
+            raise bad("interrupt_mode", f"expected one of {INTERRUPT_MODES}")
+        for name in ("reward_timeout_s", "request_timeout_s", "health_interval_s"):
+            if not getattr(self, name) > 0:
+                raise bad(name, "must be > 0 seconds")
+
+    def admission_limit(self, version: int) -> int:
+        """Rollouts that may have been admitted in total while the weights are at ``version``.
+
+        The trainer consumes ``train_batch_size`` rollouts per step and step ``k`` trains
+        weights of version ``k``; a rollout admitted at ``version`` must be trained by step
+        ``version + eta``, so at most ``(version + eta + 1) * B`` rollouts may exist by then.
+        """
+        return (version + self.max_head_offpolicyness + 1) * self.train_batch_size
+
+
+@dataclass
+class Trajectory:
+    """One token sequence of an episode and its reward.
+
+    ``input_ids`` is the whole sequence (prompt, generated tokens and, for multi-turn
+    agents, environment tokens in between); ``generated[j]`` says whether token ``j``
+    was produced by the policy, in which case ``logprobs[j]`` is its behaviour
+    log-prob and ``versions[j]`` the weight version that produced it.
+    """
+
+    input_ids: list[int]
+    generated: list[bool]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float
+    truncated: bool = False  # ended by the length limit, not by EOS / a stop
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def single_turn(cls, prompt_ids: Sequence[int], output_ids: Sequence[int], logprobs: Sequence[float],
+                    versions: Sequence[int], reward: float, truncated: bool = False) -> "Trajectory":
+        n_p, n_o = len(prompt_ids), len(output_ids)
+        return cls(list(prompt_ids) + list(output_ids), [False] * n_p + [True] * n_o,
+                   [0.0] * n_p + list(logprobs), [-1] * n_p + list(versions), float(reward), truncated)
+
+    def check(self, where: str) -> None:
+        n = len(self.input_ids)
+        for name in ("generated", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise RolloutError(f"{where}: trajectory.{name} has {len(getattr(self, name))} entries "
+                                   f"for {n} tokens")
+        if not any(self.generated):
+            raise RolloutError(f"{where}: trajectory has no generated token (nothing to train on)")
+        if self.generated[0]:
+            raise RolloutError(f"{where}: trajectory starts with a generated token (it needs a prompt)")
+        if any(v < 0 for v, g in zip(self.versions, self.generated) if g):
+            raise RolloutError(f"{where}: a generated token has no weight version")
+
+
+def rollout_to_batch(sample_id: str, trajectories: Sequence[Trajectory], version_admit: int,
+                     answer: Optional[str] = None) -> SequenceBatch:
+    """One episode's trajectories as a one-sample batch (a group of sequences)."""
+    if not trajectories:
+        raise RolloutError(f"rollout {sample_id}: the agent returned no trajectory")
+    ids, pmask, lps, no_eos, rewards, vers = [], [], [], [], [], []
+    oldest, newest = None, None
+    for j, t in enumerate(trajectories):
+        t.check(f"rollout {sample_id}, trajectory {j}")
+        n = len(t.input_ids)
+        ids.append(torch.tensor(t.input_ids, dtype=torch.long))
+        pmask.append(torch.tensor([not g for g in t.generated], dtype=torch.bool))
+        lp = torch.zeros(n, dtype=torch.float32)
+        ver = torch.full((n,), -1, dtype=torch.int32)
+        gen = torch.tensor(t.generated, dtype=torch.bool)
+        lp[:-1] = torch.tensor(t.logprobs[1:], dtype=torch.float32) * gen[1:]
+        ver[:-1] = torch.where(gen[1:], torch.tensor(t.versions[1:], dtype=torch.int32), ver[:-1])
+        lps.append(lp)
+        vers.append(ver)
+        no_eos.append(torch.tensor([float(t.truncated)]))
+        rewards.append(torch.tensor([float(t.reward)]))
+        gv = [v for v, g in zip(t.versions, t.generated) if g]
+        oldest = min(gv) if oldest is None else min(oldest, min(gv))
+        newest = max(gv) if newest is None else max(newest, max(gv))
+    if oldest is not None and oldest < version_admit:
+        raise RolloutError(f"rollout {sample_id}: a token of version {oldest} predates its admission at "
+                           f"version {version_admit}")
+    meta: dict[str, list[Any]] = {VERSION_ADMIT: [int(version_admit)], VERSION_OLDEST: [int(oldest)],
+                                  VERSION_NEWEST: [int(newest)]}
+    if answer is not None:
+        meta["answer"] = [str(answer)]
+    return SequenceBatch.from_samples([sample_id], {INPUT_IDS: [ids], PROMPT_MASK: [pmask], LOGPROBS: [lps],
+                                                    NO_EOS: [no_eos], REWARDS: [rewards], VERSIONS: [vers]},
+                                      metadata=meta)

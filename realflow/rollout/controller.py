@@ -1,0 +1,338 @@
+"""The rollout controller: admission under the staleness bound, routing, weight-update rounds.
+
+One process per run. It is the only place that knows the weight version the servers
+run and how many rollouts exist at each version, so it is where staleness is bounded
+(DESIGN §8), from exact counts it keeps itself:
+
+* ``admitted[w]``: rollouts admitted while the servers ran version ``w``;
+* ``failed[w]``: those whose agent raised (they will never reach the trainer).
+
+A rollout is admitted only while ``sum(admitted) - sum(failed) < (version + eta + 1) * B``
+(:meth:`RolloutSpec.admission_limit`); the trainer's batch selection
+(:mod:`realflow.system.staleness`) turns that into the exact per-trajectory bound.
+
+Interfaces:
+
+* rollout workers, over HTTP on loopback with the experiment's bearer token:
+  ``POST /admit`` (long-polls until a slot is free), ``POST /done``, ``POST /generate``
+  (routed by :class:`~realflow.rollout.server_pool.ServerPool`, which resumes
+  interrupted requests and fails over from dead servers), ``GET /state``;
+* the trainer's master, over the signed ZMQ control plane (this process is an RPC
+  worker named ``rollout_controller``): ``counts``, ``update_weights``, ``finish``.
+
+A weight-update round is pause (abort or retract running requests) -> update every
+server (shared memory, or disk) -> continue; rounds run one at a time, a newer version
+that arrives meanwhile supersedes an older one not yet started, and each round's time
+is logged and reported.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from aiohttp import web
+
+from realflow.api.rollout import RolloutSpec
+from realflow.comm import shm
+from realflow.rollout.server_pool import NoServerError, ServerPool
+
+__all__ = ["RolloutController", "build_controller_app"]
+
+logger = logging.getLogger("realflow.rollout.controller")
+
+ADMIT_WAIT_S = 5.0  # one /admit long-poll; the worker asks again after a refusal
+
+
+@dataclass
+class _Round:
+    version: int
+    handle: Optional[dict] = None  # shared-memory weights (weight_sync=memory)
+    path: Optional[str] = None  # checkpoint directory (weight_sync=disk)
+
+
+@dataclass
+class Counts:
+    admitted: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    failed: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    finished: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    refused: int = 0  # /admit calls answered "not now" (the staleness bound held a rollout back)
+    agent_errors: int = 0
+
+    @property
+    def live_total(self) -> int:
+        return sum(self.admitted.values()) - sum(self.failed.values())
+
+    @property
+    def running(self) -> int:
+        return sum(self.admitted.values()) - sum(self.failed.values()) - sum(self.finished.values())
+
+
+class RolloutController:
+    """State and operations of the controller; every method runs on its event loop."""
+
+    def __init__(self, spec: RolloutSpec, server_urls: list[str], api_key: Optional[str]) -> None:
+        self.spec = spec
+        self.pool = ServerPool(server_urls, api_key, request_timeout=spec.request_timeout_s)
+        self.version = 0
+        self.counts = Counts()
+        self.stopping = False
+        self.fatal: Optional[str] = None  # why rollouts cannot go on (e.g. every server lost)
+        self._changed: Optional[asyncio.Condition] = None
+        self._pending_round: Optional[_Round] = None
+        self._round_wakeup: Optional[asyncio.Event] = None
+        self.round_times: list[float] = []
+        self.rounds_skipped = 0
+        self._tasks: list[asyncio.Task] = []
+        self._seq = 0
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._changed = asyncio.Condition()
+        self._round_wakeup = asyncio.Event()
+        await self.pool.start()
+        self._tasks = [asyncio.create_task(self._health_loop(), name="health"),
+                       asyncio.create_task(self._round_loop(), name="weight-rounds")]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._pending_round is not None and self._pending_round.handle is not None:
+            shm.release(self._pending_round.handle)
+        await self.pool.close()
+
+    async def _notify(self) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            self._changed.notify_all()
+
+    # ------------------------------------------------------------ admission
+
+    async def admit(self, wait_s: float = ADMIT_WAIT_S) -> dict[str, Any]:
+        """Admit one rollout now, or after waiting up to ``wait_s`` for the bound to allow it."""
+        assert self._changed is not None
+        deadline = time.monotonic() + wait_s
+        refused_once = False
+        async with self._changed:
+            while True:
+                if self.stopping or self.fatal:
+                    return {"admitted": False, "stop": True, "reason": self.fatal or "run finished"}
+                if self.counts.live_total < self.spec.admission_limit(self.version):
+                    self.counts.admitted[self.version] += 1
+                    self._seq += 1
+                    return {"admitted": True, "version": self.version, "seq": self._seq}
+                if not refused_once:
+                    self.counts.refused += 1
+                    refused_once = True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return {"admitted": False, "stop": False}
+                try:
+                    await asyncio.wait_for(self._changed.wait(), left)
+                except asyncio.TimeoutError:
+                    return {"admitted": False, "stop": False}
+
+    async def done(self, version: int, ok: bool, error: str = "") -> None:
+        """A rollout admitted at ``version`` reached the trainer (``ok``) or failed."""
+        if self.counts.admitted.get(version, 0) <= self.counts.failed[version] + self.counts.finished[version]:
+            raise ValueError(f"/done for version {version}: no such rollout is running")
+        if ok:
+            self.counts.finished[version] += 1
+        else:
+            self.counts.failed[version] += 1
+            self.counts.agent_errors += 1
+        await self._notify()
+
+    def state(self) -> dict[str, Any]:
+        c = self.counts
+        return {"version": self.version, "admitted": dict(c.admitted), "failed": dict(c.failed),
+                "finished": dict(c.finished), "running": c.running, "refused": c.refused,
+                "agent_errors": c.agent_errors, "tokens_generated": self.pool.tokens_generated,
+                "failovers": self.pool.requests_failed_over,
+                "servers": {s.name: {"alive": s.alive, "url": s.url, "version": s.version,
+                                     "outstanding_tokens": s.outstanding_tokens, "lost": s.lost_reason}
+                            for s in self.pool.servers},
+                "round_times": list(self.round_times[-8:]), "rounds": len(self.round_times),
+                "rounds_skipped": self.rounds_skipped, "fatal": self.fatal}
+
+    # ------------------------------------------------------------ weight-update rounds
+
+    def request_round(self, version: int, handle: Optional[dict], path: Optional[str]) -> None:
+        """Queue a round to ``version``; one not started yet is superseded (and its weights freed)."""
+        assert self._round_wakeup is not None
+        if version <= self.version:
+            raise ValueError(f"update_weights to version {version}: the servers already run {self.version}")
+        old = self._pending_round
+        if old is not None:
+            self.rounds_skipped += 1
+            if old.handle is not None:
+                shm.release(old.handle)
+        self._pending_round = _Round(version, handle, path)
+        self._round_wakeup.set()
+
+    async def _round_loop(self) -> None:
+        assert self._round_wakeup is not None
+        while True:
+            await self._round_wakeup.wait()
+            self._round_wakeup.clear()
+            r, self._pending_round = self._pending_round, None
+            if r is None:
+                continue
+            try:
+                await self._run_round(r)
+            except NoServerError as e:
+                self.fatal = str(e)
+                await self._notify()
+            except Exception as e:  # noqa: BLE001 - reported to the master through counts()
+                logger.exception("weight-update round to version %d failed", r.version)
+                self.fatal = f"weight-update round to version {r.version} failed: {type(e).__name__}: {e}"
+                await self._notify()
+            finally:
+                if r.handle is not None:
+                    shm.release(r.handle)
+
+    async def _run_round(self, r: _Round) -> None:
+        t0 = time.perf_counter()
+        mode = "abort" if self.spec.interrupt_mode == "abort" else "retract"
+        await self.pool.broadcast("/pause_generation", {"mode": mode})
+        if r.handle is not None:
+            body = {"shm_handle": r.handle, "format": "hf", "weight_version": r.version, "unlink": False}
+            res = await self.pool.broadcast("/update_weights_from_tensor", body, timeout=600.0)
+        else:
+            body = {"model_path": r.path, "weight_version": r.version}
+            res = await self.pool.broadcast("/update_weights_from_disk", body, timeout=600.0)
+        for name, v in res.items():
+            if isinstance(v, dict):
+                next(s for s in self.pool.servers if s.name == name).version = int(v["weight_version"])
+        await self.pool.broadcast("/continue_generation", {})
+        self.pool.pick()  # raises NoServerError naming every server when none survived the round
+        dt = time.perf_counter() - t0
+        self.round_times.append(dt)
+        self.version = r.version
+        logger.info("weight-update round to version %d (%s, %s): %.3f s", r.version,
+                    "shared memory" if r.handle is not None else "disk", mode, dt)
+        if r.path is not None:
+            _remove_older_checkpoints(r.path)
+        await self._notify()
+
+    # ------------------------------------------------------------ health
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.spec.health_interval_s)
+            await self.pool.check_health()
+            if not self.pool.alive() and not self.fatal:
+                try:
+                    self.pool.pick()
+                except NoServerError as e:
+                    self.fatal = str(e)
+                    logger.error("%s", e)
+                    await self._notify()
+
+
+def _remove_older_checkpoints(path: str) -> None:
+    """Disk sync writes ``.../weights/v<N>``; versions before the one just loaded are done with."""
+    parent, name = os.path.split(path.rstrip("/"))
+    if not name.startswith("v") or not name[1:].isdigit():
+        return
+    for other in os.listdir(parent):
+        if other.startswith("v") and other[1:].isdigit() and int(other[1:]) < int(name[1:]):
+            shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
+
+
+# ---------------------------------------------------------------- HTTP API
+
+
+def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.Application:
+    expected = None if api_key is None else f"Bearer {api_key}"
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        import hmac
+
+        if expected is not None and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), expected.encode()):
+            return web.json_response({"error": "missing or wrong API key"}, status=401)
+        try:
+            return await handler(request)
+        except (ValueError, KeyError, TypeError) as e:
+            return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
+        except NoServerError as e:
+            return web.json_response({"error": str(e)}, status=503)
+
+    async def admit(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response(await ctl.admit(float(body.get("wait_s", ADMIT_WAIT_S))))
+
+    async def done(request: web.Request) -> web.Response:
+        body = await request.json()
+        await ctl.done(int(body["version"]), bool(body["ok"]), str(body.get("error", "")))
+        return web.json_response({"success": True})
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        prompt = [int(t) for t in body["input_ids"]]
+        params = dict(body.get("sampling_params") or {})
+        n = int(params.pop("n", 1))
+        rid = str(body.get("rid") or f"req{id(body)}")
+        seed = params.get("seed")
+
+        async def one(i: int):
+            p = dict(params) if seed is None else dict(params, seed=int(seed) + i)
+            return await ctl.pool.complete(f"{rid}-{i}", prompt, p)
+        results = await asyncio.gather(*(one(i) for i in range(n)))
+        return web.json_response([{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
+                                   "logprobs": r.logprobs, "versions": r.versions,
+                                   "finish_reason": r.finish_reason, "resubmits": r.resubmits,
+                                   "servers": r.servers} for r in results])
+
+    async def state(request: web.Request) -> web.Response:
+        return web.json_response(ctl.state())
+
+    app = web.Application(middlewares=[guard], client_max_size=16 << 20)
+    app.add_routes([web.post("/admit", admit), web.post("/done", done), web.post("/generate", generate),
+                    web.get("/state", state)])
+    return app
+
+
+# ---------------------------------------------------------------- trainer side (ZMQ RPC)
+
+
+def master_handlers(ctl: RolloutController, loop: asyncio.AbstractEventLoop,
+                    stop: threading.Event) -> dict[str, Any]:
+    """Handlers the master calls (from the RPC thread; each hops onto the event loop)."""
+
+    def on_loop(fn, *args, timeout: float = 60.0):
+        async def run():
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout)
+
+    def counts(payload: dict) -> dict:
+        st = on_loop(ctl.state)
+        # msgpack keys must be plain: versions as strings
+        for k in ("admitted", "failed", "finished"):
+            st[k] = {str(v): n for v, n in st[k].items()}
+        return st
+
+    def update_weights(payload: dict) -> dict:
+        on_loop(ctl.request_round, int(payload["version"]), payload.get("handle"), payload.get("path"))
+        return {"queued": True}
+
+    def finish(payload: dict) -> dict:
+        def _stop():
+            ctl.stopping = True
+            asyncio.ensure_future(ctl._notify())
+        on_loop(_stop)
+        stop.set()
+        return {"stopped": True}
+
+    return {"counts": counts, "update_weights": update_weights, "finish": finish,
+            "ping": lambda payload: {"worker": "rollout_controller"}}

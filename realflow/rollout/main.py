@@ -1,0 +1,178 @@
+"""Entry point of the rollout side's processes (asynchronous PPO), started by a scheduler.
+
+    python -m realflow.rollout.main --role gen_server|rollout_controller|rollout_worker \
+        --index I --experiment NAME [--import MODULE ...] -- key=value ...
+
+Like the trainer's processes (:mod:`realflow.system.worker_main`), each rebuilds the
+experiment from the same command line, finds its peers through name resolution and
+authenticates with the experiment secret (``REALFLOW_SECRET``): HTTP services check a
+bearer token derived from it, ZMQ messages are signed with it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from realflow.api.config import import_modules, parse_overrides
+from realflow.api.experiment import ExperimentSetup, experiment_registry
+from realflow.base import names
+from realflow.base.name_resolve import make_name_resolver
+from realflow.comm.auth import http_token, secret_from_env
+
+logger = logging.getLogger("realflow.rollout.main")
+
+ROLES = ("gen_server", "rollout_controller", "rollout_worker")
+
+
+def _setup(experiment: str, overrides: list[str]) -> ExperimentSetup:
+    cfg = parse_overrides(experiment_registry.get(experiment), overrides)
+    setup = cfg.setup()
+    if setup.rollout is None:
+        raise ValueError(f"experiment {experiment!r} has no rollout side (it is not asynchronous)")
+    return setup
+
+
+def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
+    from realflow.api.generation import BackendConfig, generation_backends
+    from realflow.rollout.gen_server import GenServer, build_app, serve
+
+    spec = setup.rollout
+    assert spec is not None
+    import_modules(spec.backend_imports)
+    cfg = BackendConfig(model_path=spec.model_path, tokenizer_path=spec.tokenizer_path,
+                        max_running_requests=spec.max_running_requests, seed=spec.seed * 1000 + index)
+    backend = generation_backends.get(spec.backend)(cfg)
+    resolver = make_name_resolver(setup.name_resolve_config())
+    key = names.gen_server_address(setup.experiment_name, setup.trial_name, index)
+    server = GenServer(backend, spec.model_path)
+    asyncio.run(serve(build_app(server, http_token(secret)), "127.0.0.1", 0,
+                      on_ready=lambda url: resolver.add(key, url, replace=True)))
+    return 0
+
+
+def _wait_servers(setup: ExperimentSetup, resolver: Any) -> list[str]:
+    spec = setup.rollout
+    assert spec is not None
+    urls = []
+    for i in range(spec.n_servers):
+        key = names.gen_server_address(setup.experiment_name, setup.trial_name, i)
+        try:
+            urls.append(resolver.wait(key, timeout=setup.setup_timeout_s))
+        except TimeoutError:
+            raise TimeoutError(f"gen_server/{i} did not publish its address within {setup.setup_timeout_s:.0f}s "
+                               f"(see its log)") from None
+    return urls
+
+
+def run_controller(setup: ExperimentSetup, secret: bytes) -> int:
+    from aiohttp import web
+
+    from realflow.comm.heartbeat import Heartbeater
+    from realflow.comm.rpc import WorkerEndpoint
+    from realflow.rollout.controller import RolloutController, build_controller_app, master_handlers
+
+    spec = setup.rollout
+    assert spec is not None
+    resolver = make_name_resolver(setup.name_resolve_config())
+    exp, trial = setup.experiment_name, setup.trial_name
+    urls = _wait_servers(setup, resolver)
+    token = http_token(secret)
+    stop = threading.Event()
+
+    async def main() -> None:
+        ctl = RolloutController(spec, urls, token)
+        await ctl.start()
+        runner = web.AppRunner(build_controller_app(ctl, token), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        resolver.add(names.rollout_controller_address(exp, trial), f"http://127.0.0.1:{port}", replace=True)
+        logger.info("rollout controller serving on port %d for %d gen servers", port, len(urls))
+        loop = asyncio.get_running_loop()
+        master = await asyncio.to_thread(resolver.wait, names.master_address(exp, trial),
+                                         timeout=setup.setup_timeout_s)
+        hb = await asyncio.to_thread(resolver.wait, names.heartbeat_address(exp, trial),
+                                     timeout=setup.setup_timeout_s)
+        beat = Heartbeater(names.ROLLOUT_CONTROLLER, hb, secret).start()
+        endpoint = WorkerEndpoint(names.ROLLOUT_CONTROLLER, master, secret)
+        rpc = threading.Thread(target=endpoint.serve, args=(master_handlers(ctl, loop, stop), stop),
+                               name="master-rpc", daemon=True)
+        rpc.start()
+        try:
+            while not stop.is_set():
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(0.5)  # let rollout workers hear 'stop' on their next /admit
+        finally:
+            await asyncio.to_thread(rpc.join, 5.0)
+            beat.stop()
+            endpoint.close()
+            await runner.cleanup()
+            await ctl.close()
+
+    asyncio.run(main())
+    return 0
+
+
+def run_rollout_worker(setup: ExperimentSetup, index: int, secret: bytes, imports: list[str]) -> int:
+    from transformers import AutoTokenizer
+
+    from realflow.comm.heartbeat import Heartbeater
+    from realflow.rollout.rollout_worker import RolloutWorker
+
+    spec = setup.rollout
+    assert spec is not None
+    resolver = make_name_resolver(setup.name_resolve_config())
+    exp, trial = setup.experiment_name, setup.trial_name
+    ctl_url = resolver.wait(names.rollout_controller_address(exp, trial), timeout=setup.setup_timeout_s)
+    inboxes = {w: resolver.wait(names.trajectory_inbox_address(exp, trial, w), timeout=setup.setup_timeout_s)
+               for w in range(setup.n_workers)}
+    hb = resolver.wait(names.heartbeat_address(exp, trial), timeout=setup.setup_timeout_s)
+    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
+    name = names.rollout_worker_name(index)
+    beat = Heartbeater(name, hb, secret).start()
+    try:
+        worker = RolloutWorker(setup, index, secret, ctl_url, inboxes, http_token(secret), tokenizer,
+                               imports=imports)
+        asyncio.run(worker.run())
+        logger.info("%s: %d rollouts pushed, %d failed", name, worker.n_ok, worker.n_failed)
+    finally:
+        beat.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, overrides = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="realflow.rollout.main")
+    p.add_argument("--role", required=True, choices=ROLES)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--import", dest="imports", action="append", default=[])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role}/{args.index} %(levelname)s %(message)s")
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("REALFLOW_NUM_THREADS", "1")))
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # a clean exit: finally blocks release resources
+    import_modules(args.imports)
+    setup = _setup(args.experiment, overrides)
+    secret = secret_from_env()
+    if args.role == "gen_server":
+        return run_gen_server(setup, args.index, secret)
+    if args.role == "rollout_controller":
+        return run_controller(setup, secret)
+    return run_rollout_worker(setup, args.index, secret, args.imports)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

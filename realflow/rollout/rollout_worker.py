@@ -1,0 +1,249 @@
+"""A rollout worker: runs agents on data rows and pushes finished trajectories to the trainer.
+
+Per admitted rollout (``/admit`` on the controller, which bounds staleness), the
+worker takes the next row of its shard of the prompt data set, runs the registered
+agent on it (``await agent.run(row, ctx)``), turns the trajectories into a one-sample
+:class:`~realflow.api.batch.SequenceBatch` (:func:`~realflow.api.rollout.rollout_to_batch`)
+and sends it to a trainer model worker's trajectory inbox over the signed ZMQ data
+plane (msgpack + raw tensor frames, no pickle). Then it tells the controller the
+rollout is done, so the exact counts stay exact. An agent that raises is logged
+(with its row), counted and reported as failed; the worker goes on.
+
+Rewards run in a process pool (``reward_processes`` children, started with *spawn*
+so they hold no sockets or threads of this process), each call bounded by
+``reward_timeout_s``: a reward that does not answer in time fails that rollout with a
+:class:`~realflow.api.agent.RewardTimeout` naming the reward, and the pool is
+replaced (its stuck child killed) so later rollouts are not held up.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import itertools
+import logging
+import multiprocessing
+import traceback
+import zlib
+from typing import Any, Optional, Sequence
+
+import aiohttp
+import zmq
+import zmq.asyncio
+
+from realflow.api.agent import AgentContext, Completion, RewardTimeout, make_agent
+from realflow.api.dataset import PromptAnswerDataset, PromptFormat
+from realflow.api.experiment import ExperimentSetup
+from realflow.api.rollout import rollout_to_batch
+from realflow.comm.auth import Signer
+from realflow.comm.codec import encode
+
+__all__ = ["RolloutWorker", "RewardPool"]
+
+logger = logging.getLogger("realflow.rollout.worker")
+
+ADMIT_TIMEOUT_S = 30.0  # one /admit HTTP call (the controller long-polls for at most 5 s)
+PUSH_TIMEOUT_S = 300.0  # the trainer's inbox must take a trajectory within this time
+
+
+def _child_init(imports: list[str]) -> None:
+    from realflow.api.config import import_modules
+
+    import_modules(imports)
+
+
+def _score_in_child(reward: str, samples: list[dict], args: dict) -> list[float]:
+    """Runs in a pool process: the registered reward on each sample (fault-isolated per sample)."""
+    from realflow.api.reward import RewardConfig, RewardInput, compute_rewards
+
+    fields = set(RewardInput.__dataclass_fields__)
+    inputs = [RewardInput(**{k: v for k, v in s.items() if k in fields}) for s in samples]
+    return compute_rewards(inputs, RewardConfig(name=reward, args=dict(args))).rewards
+
+
+class RewardPool:
+    """Process pool for rewards with a per-call timeout (a stuck child is killed with its pool)."""
+
+    def __init__(self, n: int, imports: list[str], timeout: float) -> None:
+        self.n, self.imports, self.timeout = n, list(imports), timeout
+        self.timeouts = 0
+        self._pool = self._new()
+
+    def _new(self) -> cf.ProcessPoolExecutor:
+        return cf.ProcessPoolExecutor(self.n, mp_context=multiprocessing.get_context("spawn"),
+                                      initializer=_child_init, initargs=(self.imports,))
+
+    async def score(self, reward: str, samples: Sequence[dict], args: Optional[dict] = None) -> list[float]:
+        loop = asyncio.get_running_loop()
+        for attempt in range(2):
+            pool = self._pool
+            fut = loop.run_in_executor(pool, _score_in_child, reward, list(samples), dict(args or {}))
+            try:
+                return await asyncio.wait_for(fut, self.timeout)
+            except asyncio.TimeoutError:
+                self.timeouts += 1
+                self._replace(pool)
+                raise RewardTimeout(f"reward {reward!r} did not finish {len(samples)} samples within "
+                                    f"reward_timeout_s={self.timeout:g}s") from None
+            except cf.process.BrokenProcessPool:
+                if attempt:  # replaced under us by another call's timeout: retry once on the new pool
+                    raise
+        raise AssertionError("unreachable")
+
+    def _replace(self, pool: cf.ProcessPoolExecutor) -> None:
+        if pool is not self._pool:
+            return
+        self._pool = self._new()
+        for p in list(getattr(pool, "_processes", {}).values()):
+            p.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        self._replace(self._pool)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Context:
+    """The :class:`AgentContext` of one rollout."""
+
+    def __init__(self, worker: "RolloutWorker", seed: int, rid: str) -> None:
+        self.tokenizer = worker.tokenizer
+        self.seed = seed
+        self._w = worker
+        self._rid = rid
+        self._n = itertools.count()
+
+    async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any],
+                       n: int = 1) -> list[Completion]:
+        body = {"input_ids": list(map(int, input_ids)), "sampling_params": dict(sampling_params, n=n),
+                "rid": f"{self._rid}-g{next(self._n)}"}
+        out = await self._w.controller_call("/generate", body, timeout=self._w.spec.request_timeout_s)
+        return [Completion(r["prompt_ids"], r["output_ids"], r["logprobs"], r["versions"], r["finish_reason"],
+                           info={"resubmits": r["resubmits"], "servers": r["servers"]}) for r in out]
+
+    async def score(self, reward: str, samples: Sequence[dict[str, Any]],
+                    args: Optional[dict[str, Any]] = None) -> list[float]:
+        return await self._w.rewards.score(reward, samples, args)
+
+
+class RolloutWorker:
+    def __init__(self, setup: ExperimentSetup, index: int, secret: bytes, controller_url: str,
+                 inbox_addresses: dict[int, str], api_key: Optional[str], tokenizer: Any,
+                 imports: Sequence[str] = ()) -> None:
+        assert setup.rollout is not None
+        self.setup, self.spec, self.index = setup, setup.rollout, index
+        self.name = f"rollout_worker/{index}"
+        self.controller_url = controller_url.rstrip("/")
+        self.api_key = api_key
+        self.tokenizer = tokenizer
+        self.agent = make_agent(self.spec.agent, self.spec.agent_args)
+        self.rewards = RewardPool(self.spec.reward_processes, list(imports), self.spec.reward_timeout_s)
+        self.signer = Signer(secret, self.name)
+        self.inboxes = sorted(inbox_addresses.items())
+        self.ctx = zmq.asyncio.Context()
+        self.socks: list[tuple[str, zmq.asyncio.Socket]] = []
+        for w, addr in self.inboxes:
+            s = self.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDTIMEO, int(PUSH_TIMEOUT_S * 1000))
+            s.connect(addr)
+            self.socks.append((f"model_worker/{w}", s))
+        self._next_sock = itertools.cycle(range(len(self.socks)))
+        self.rows = self._load_rows()
+        self.session: Optional[aiohttp.ClientSession] = None
+        self.n_ok = self.n_failed = 0
+
+    def _load_rows(self) -> list:
+        spec = self.spec
+        args = dict(spec.dataset_args)
+        ds = PromptAnswerDataset.load(spec.dataset_path, self.tokenizer, int(args.get("max_prompt_len", 1024)),
+                                      fmt=spec.dataset_format, seed=spec.seed,
+                                      prompt_format=PromptFormat(chat_template=bool(args.get("chat_template", False))))
+        if self.index == 0:
+            logger.info("prompt data set %s (%s): %s", spec.dataset_path, spec.dataset_format, ds.report)
+        return ds.shard(self.index, spec.n_rollout_workers)
+
+    def _row_order(self):
+        """Rows in a seeded order that changes every epoch: yields (epoch, row)."""
+        for epoch in itertools.count():
+            for i in self.rows.epoch_order(epoch):
+                yield epoch, self.rows[i]
+
+    # ------------------------------------------------------------ controller
+
+    async def controller_call(self, endpoint: str, body: dict, timeout: float = 60.0) -> Any:
+        assert self.session is not None
+        try:
+            async with self.session.post(self.controller_url + endpoint, json=body,
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status >= 400:
+                    raise RuntimeError(f"rollout controller {endpoint} -> {resp.status}: "
+                                       f"{data.get('error') if isinstance(data, dict) else data}")
+                return data
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"rollout controller at {self.controller_url} did not answer {endpoint} "
+                               f"within {timeout:.0f}s") from None
+
+    # ------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        headers = {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
+        self.session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
+        sem = asyncio.Semaphore(self.spec.max_concurrent_rollouts)
+        tasks: set[asyncio.Task] = set()
+        rows = self._row_order()
+        try:
+            while True:
+                await sem.acquire()
+                adm = await self.controller_call("/admit", {"worker": self.name}, timeout=ADMIT_TIMEOUT_S)
+                if not adm.get("admitted"):
+                    sem.release()
+                    if adm.get("stop"):
+                        logger.info("%s: controller says stop (%s)", self.name, adm.get("reason"))
+                        break
+                    continue
+                epoch, row = next(rows)
+                t = asyncio.create_task(self._rollout(row, epoch, int(adm["version"]), sem))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.session.close()
+            self.rewards.close()
+            for _, s in self.socks:
+                s.close(0)
+            self.ctx.term()
+
+    async def _rollout(self, row: Any, epoch: int, version: int, sem: asyncio.Semaphore) -> None:
+        sid = f"{row.id}/e{epoch}"
+        seed = zlib.crc32(f"{self.spec.seed}/{sid}".encode())
+        ok, err = False, ""
+        try:
+            data = {"id": sid, "prompt_ids": list(row.prompt_ids), "answer": row.answer, **dict(row.meta)}
+            trajs = await self.agent.run(data, _Context(self, seed, sid))
+            batch = rollout_to_batch(sid, trajs, version, answer=row.answer)
+            await self._push(batch.to_wire())
+            ok = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - an agent's failure is counted, never fatal
+            err = f"{type(e).__name__}: {e}"
+            self.n_failed += 1
+            logger.warning("%s: agent %r failed on row %s (version %d): %s\n%s", self.name, self.spec.agent,
+                           sid, version, err, traceback.format_exc(limit=4))
+        finally:
+            sem.release()
+        if ok:
+            self.n_ok += 1
+        await self.controller_call("/done", {"version": version, "ok": ok, "error": err[:500]})
+
+    async def _push(self, wire: dict) -> None:
+        to, sock = self.socks[next(self._next_sock)]
+        frames = self.signer.sign(encode(wire), to)
+        try:
+            await sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise TimeoutError(f"{to}'s trajectory inbox did not take a trajectory within "
+                               f"{PUSH_TIMEOUT_S:.0f}s") from None

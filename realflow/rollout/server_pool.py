@@ -1,0 +1,191 @@
+"""The generation servers as the rollout controller sees them: routing, failover, resumption.
+
+* Routing: a request goes to the live server with the fewest outstanding tokens
+  (prompt + remaining new tokens of the requests it is serving), so a server busy
+  with long answers gets fewer new ones.
+* Interruption: in ``abort`` mode a weight-update round aborts running requests;
+  each comes back with what it generated, and :meth:`ServerPool.complete` resubmits
+  prompt + prefix for the remaining tokens, keeping every token once with its
+  behaviour log-prob and version. In ``recompute`` mode the server itself holds the
+  requests and re-prefills them under the new weights; nothing to do here.
+* Failover: a request whose server stops answering (connection refused or reset)
+  is resubmitted, with the prefix it had, to another live server; the dead server is
+  marked and named in the log. With none left, :class:`NoServerError` names them all.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import aiohttp
+
+__all__ = ["ServerState", "ServerPool", "NoServerError", "Completed"]
+
+logger = logging.getLogger("realflow.rollout.servers")
+
+MAX_RESUBMITS = 1000  # a request interrupted more often than this is failing, not being updated
+
+
+class NoServerError(RuntimeError):
+    """No generation server is alive; the message names each and why it was lost."""
+
+
+@dataclass
+class ServerState:
+    name: str
+    url: str
+    alive: bool = True
+    outstanding_tokens: int = 0
+    in_flight: int = 0
+    version: int = 0
+    lost_reason: str = ""
+    served: int = 0
+
+
+@dataclass
+class Completed:
+    """A finished request, whole: every generated token once, whatever happened on the way."""
+
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    resubmits: int = 0
+    servers: list[str] = field(default_factory=list)
+
+
+class ServerPool:
+    """Async HTTP access to every server of one run (one event loop uses it)."""
+
+    def __init__(self, urls: list[str], api_key: Optional[str], request_timeout: float = 600.0,
+                 call_timeout: float = 60.0) -> None:
+        self.servers = [ServerState(f"gen_server/{i}", u.rstrip("/")) for i, u in enumerate(urls)]
+        self.headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+        self.request_timeout = request_timeout
+        self.call_timeout = call_timeout
+        self.session: Optional[aiohttp.ClientSession] = None
+        self.tokens_generated = 0
+        self.requests_failed_over = 0
+
+    async def start(self) -> None:
+        # limit=0: as many connections as requests in flight (each waits for a whole generation)
+        self.session = aiohttp.ClientSession(headers=self.headers, connector=aiohttp.TCPConnector(limit=0))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    # ------------------------------------------------------------ server calls
+
+    def alive(self) -> list[ServerState]:
+        return [s for s in self.servers if s.alive]
+
+    def mark_lost(self, server: ServerState, reason: str) -> None:
+        if server.alive:
+            server.alive = False
+            server.lost_reason = reason
+            logger.error("generation server %s (%s) lost: %s; %d left", server.name, server.url, reason,
+                         len(self.alive()))
+
+    def pick(self) -> ServerState:
+        live = self.alive()
+        if not live:
+            detail = "; ".join(f"{s.name} at {s.url}: {s.lost_reason}" for s in self.servers)
+            raise NoServerError(f"no generation server is alive ({detail})")
+        return min(live, key=lambda s: (s.outstanding_tokens, s.in_flight, s.name))
+
+    async def call(self, server: ServerState, endpoint: str, body: Optional[dict] = None,
+                   timeout: Optional[float] = None, method: str = "POST") -> Any:
+        """One JSON call; connection errors mark the server lost and re-raise."""
+        assert self.session is not None, "ServerPool.start() first"
+        t = aiohttp.ClientTimeout(total=timeout or self.call_timeout)
+        try:
+            async with self.session.request(method, server.url + endpoint, json=body, timeout=t) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status >= 400:
+                    raise RuntimeError(f"{server.name} {endpoint} -> {resp.status}: "
+                                       f"{data.get('error') if isinstance(data, dict) else data}")
+                return data
+        except (aiohttp.ClientConnectionError, ConnectionError) as e:
+            self.mark_lost(server, f"{type(e).__name__}: {e}")
+            raise
+
+    async def check_health(self) -> None:
+        """Probe every live server once; one that does not answer is marked lost."""
+        async def probe(s: ServerState) -> None:
+            try:
+                h = await self.call(s, "/health", timeout=10.0, method="GET")
+                s.version = int(h.get("weight_version", s.version))
+            except (aiohttp.ClientConnectionError, ConnectionError):
+                pass  # marked by call()
+            except (asyncio.TimeoutError, RuntimeError) as e:
+                self.mark_lost(s, f"health check failed: {type(e).__name__}: {e}")
+        await asyncio.gather(*(probe(s) for s in self.alive()))
+
+    async def broadcast(self, endpoint: str, body: Optional[dict] = None, timeout: Optional[float] = None
+                        ) -> dict[str, Any]:
+        """The same call on every live server, concurrently; a server that fails is marked lost."""
+        live = self.alive()
+
+        async def one(s: ServerState) -> Any:
+            try:
+                return await self.call(s, endpoint, body, timeout)
+            except (aiohttp.ClientConnectionError, ConnectionError) as e:
+                return e
+            except (asyncio.TimeoutError, RuntimeError) as e:
+                self.mark_lost(s, f"{endpoint} failed: {type(e).__name__}: {e}")
+                return e
+        results = await asyncio.gather(*(one(s) for s in live))
+        return {s.name: r for s, r in zip(live, results)}
+
+    # ------------------------------------------------------------ generation
+
+    async def complete(self, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> Completed:
+        """Generate one sequence to its end, across interruptions and server failures."""
+        out = Completed(list(prompt_ids))
+        budget = int(params.get("max_new_tokens", 128))
+        base_seed = params.get("seed")
+        while True:
+            remaining = budget - len(out.output_ids)
+            if remaining <= 0:
+                out.finish_reason = "length"
+                return out
+            sp = dict(params, max_new_tokens=remaining, n=1)
+            if base_seed is not None:  # a resumed request draws a fresh stream, not the start's again
+                sp["seed"] = int(base_seed) + len(out.output_ids)
+            server = self.pick()
+            charge = len(prompt_ids) + len(out.output_ids) + remaining
+            server.outstanding_tokens += charge
+            server.in_flight += 1
+            try:
+                res = await self.call(server, "/generate", {
+                    "input_ids": out.prompt_ids + out.output_ids, "sampling_params": sp, "return_logprob": True,
+                    "rid": f"{rid}-r{out.resubmits}"}, timeout=self.request_timeout)
+            except (aiohttp.ClientConnectionError, ConnectionError):
+                self.requests_failed_over += 1
+                out.resubmits += 1
+                if out.resubmits > MAX_RESUBMITS:
+                    raise
+                continue  # the server was marked lost; resubmit the prefix elsewhere
+            finally:
+                server.outstanding_tokens -= charge
+                server.in_flight -= 1
+            meta = res["meta_info"]
+            ids = list(res["output_ids"])
+            out.output_ids += ids
+            out.logprobs += [float(lp[0]) for lp in meta["output_token_logprobs"]]
+            out.versions += [int(v) for v in meta["output_token_weight_versions"]]
+            out.servers.append(server.name)
+            server.served += 1
+            self.tokens_generated += len(ids)
+            reason = meta["finish_reason"]["type"] if isinstance(meta["finish_reason"], dict) else "stop"
+            if reason != "abort":
+                out.finish_reason = reason
+                return out
+            out.resubmits += 1  # aborted by a weight-update round: go on under the new weights
+            if out.resubmits > MAX_RESUBMITS:
+                raise RuntimeError(f"request {rid} was aborted {out.resubmits} times "
+                                   f"(last on {server.name}); giving up")

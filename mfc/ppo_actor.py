@@ -23,6 +23,8 @@ from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.generation import SamplingParams
 from realflow.api.interface import Model, ModelInterface, register_interface
 
+PROX_LOGPROBS = "proximal_logprobs"
+
 
 def generator_for(model: Model, max_running: int = 256) -> Any:
     """The generation engine over ``model``'s parameters (built once per engine, then reused)."""
@@ -60,12 +62,17 @@ class PPOActorInterface(ModelInterface):
     adv: dict[str, Any] = field(default_factory=dict)  # AdvantageConfig fields
     eval_max_new_tokens: int = 16
     eval_n_samples: int = 8  # samples per held-out prompt for sampled_accuracy (0 = greedy only)
+    # decoupled PPO (asynchronous runs): clip against the proximal policy (key PROX_LOGPROBS, from
+    # actor_inf) and weight each token by pi_prox / pi_behav, capped at behav_imp_weight_cap
+    decoupled: bool = False
+    behav_imp_weight_cap: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.adv_cfg = AdvantageConfig(**self.adv)
         self.kl = KLPenalty(self.adv_cfg)
         self.loss_cfg = PPOActorConfig(eps_clip=self.eps_clip, dual_clip=self.dual_clip,
-                                       entropy_coef=self.entropy_coef, agg=self.loss_agg)
+                                       entropy_coef=self.entropy_coef, agg=self.loss_agg,
+                                       behav_imp_weight_cap=self.behav_imp_weight_cap)
         self._step = 0
 
     # ---- generate -------------------------------------------------------------------------------
@@ -102,15 +109,21 @@ class PPOActorInterface(ModelInterface):
 
     # ---- inference: logprobs under the current weights -----------------------------------------
     def inference(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> Optional[SequenceBatch]:
-        return logprobs_batch(model, batch, mb_spec, "proximal_logprobs", self.temperature)
+        return logprobs_batch(model, batch, mb_spec, PROX_LOGPROBS, self.temperature)
 
     # ---- train ----------------------------------------------------------------------------------
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
         eng = model.module
         t, kl_coef = self.kl.rl_tensors(batch, self.adv_cfg, eng.dp_sum)
+        extra = {}
+        if self.decoupled:
+            if PROX_LOGPROBS not in batch.data:
+                raise ValueError(f"decoupled PPO needs '{PROX_LOGPROBS}' (the proximal policy's logprobs from "
+                                 f"actor_inf) among actor_train's inputs")
+            extra["_prox_lp"] = batch.data[PROX_LOGPROBS].float()
         up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo_epochs, n_minibatches=self.n_minibatches,
                              seed=self.seed, step=self._step, micro_batch=self._micro_batch,
-                             loss_fn=self._loss, weight_fn=self._weight)
+                             loss_fn=self._loss, weight_fn=self._weight, extra_keys=extra)
         totals, n_updates = up.totals, up.n_updates
         # before any update the trainer must see the generator's distribution
         gen_kl = up.first["approx_kl_k3_sum"] / max(up.first["n_loss_tokens"], 1.0)
@@ -123,6 +136,12 @@ class PPOActorInterface(ModelInterface):
         # k3 KL(behaviour || trainer) on the first mini-batch: ~1e-12 when the reallocated generation
         # weights equal the training weights and both compute the same fp32 logprobs
         out["gen_train_kl"] = gen_kl
+        if self.decoupled:  # how far behaviour and proximal policies were apart (the off-policy gap)
+            w_sum, n_capped = eng.dp_sum([totals.get("behav_imp_weight_sum", 0.0),
+                                          totals.get("behav_capped_tokens", 0.0)])
+            n_all = eng.dp_sum([totals.get("n_loss_tokens", 0.0)])[0]
+            out["behav_imp_weight"] = w_sum / max(n_all, 1.0)
+            out["behav_capped_frac"] = n_capped / max(n_all, 1.0)
         n_seqs, score = eng.dp_sum([t.stats["n_seqs"], t.stats["score_sum"]])
         out["reward"] = score / max(n_seqs, 1.0)
         n_trunc, n_act = eng.dp_sum([t.stats["n_truncated"], t.stats["n_action_tokens"]])
@@ -137,7 +156,7 @@ class PPOActorInterface(ModelInterface):
     def _micro_batch(mb: SequenceBatch, lens: list[int]) -> dict:
         targets, _ = next_token_targets(mb.data[INPUT_IDS], lens)
         return {"targets": targets, "mask": mb.data["_mask"].bool(), "old": mb.data["_old_lp"],
-                "adv": mb.data["_adv"], "lens": lens}
+                "adv": mb.data["_adv"], "lens": lens, "prox": mb.data.get("_prox_lp")}
 
     def _loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:
         t = self.temperature  # the policy being trained is the one that sampled: pi(.)^(1/T), renormalised
@@ -146,7 +165,7 @@ class PPOActorInterface(ModelInterface):
         else:
             lp, ent = outputs.logprobs(extra["targets"], t), None
         return ppo_actor_loss(lp, extra["old"], extra["adv"], extra["mask"], self.loss_cfg,
-                              seqlens=extra["lens"], entropy=ent)
+                              seqlens=extra["lens"], prox_logprobs=extra["prox"], entropy=ent)
 
     def _weight(self, extra: dict) -> float:
         return float(aggregation_weight(extra["mask"], extra["lens"], self.loss_cfg.agg))

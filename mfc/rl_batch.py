@@ -171,11 +171,13 @@ def compute_rl_tensors(batch: SequenceBatch, cfg: AdvantageConfig,
     return RLTensors(lens, act, old_lp, full_adv, full_ret, values, stats)
 
 
-def with_token_keys(batch: SequenceBatch, t: RLTensors) -> SequenceBatch:
-    """``batch`` plus the per-token training tensors as keys aligned with ``packed_input_ids``."""
+def with_token_keys(batch: SequenceBatch, t: RLTensors,
+                    extra: Optional[dict[str, torch.Tensor]] = None) -> SequenceBatch:
+    """``batch`` plus the per-token training tensors as keys aligned with ``packed_input_ids``
+    (``extra``: more per-token tensors to carry into the micro-batches, e.g. proximal logprobs)."""
     lens = batch.seqlens[INPUT_IDS]
     data = {INPUT_IDS: batch.data[INPUT_IDS], "_mask": t.action_mask.float(), "_old_lp": t.old_logprobs,
-            "_adv": t.advantages, "_ret": t.returns}
+            "_adv": t.advantages, "_ret": t.returns, **(extra or {})}
     if t.old_values is not None:
         data["_old_v"] = t.old_values
     return SequenceBatch(list(batch.ids), {k: lens for k in data}, data)
@@ -193,14 +195,15 @@ class PPOUpdates:
 def run_ppo_updates(engine: Any, batch: SequenceBatch, t: RLTensors, mb_spec: MicroBatchSpec, *, epochs: int,
                     n_minibatches: int, seed: int, step: int,
                     micro_batch: Callable[[SequenceBatch, list[int]], dict],
-                    loss_fn: Callable, weight_fn: Callable) -> PPOUpdates:
+                    loss_fn: Callable, weight_fn: Callable,
+                    extra_keys: Optional[dict[str, torch.Tensor]] = None) -> PPOUpdates:
     """``epochs`` x ``n_minibatches`` optimizer steps over ``batch`` with its training tensors ``t``.
 
     Mini-batches are sample-disjoint and reshuffled per epoch (seeded by ``seed``/``step``);
     ``micro_batch(mb, seqlens)`` builds each micro-batch's loss inputs from the keys of
     :func:`with_token_keys` (``_mask``, ``_old_lp``, ``_adv``, ``_ret``, ``_old_v``).
     """
-    tb = with_token_keys(batch, t)
+    tb = with_token_keys(batch, t, extra_keys)
     totals: dict[str, float] = {}
     first: dict[str, float] = {}
     n = 0

@@ -118,11 +118,30 @@ def launch_local(experiment: str, imports: list[str], overrides: list[str], setu
     for i in range(setup.n_workers):
         argv = entry + ["--role", "model_worker", "--index", str(i)] + common + ["--"] + overrides
         sched.submit(f"model_worker/{i}", argv, env=env, n_threads=setup.worker_threads)
+    if setup.rollout is not None:
+        submit_rollout_side(sched, setup, common, overrides, env)
     view = ConsoleView(setup.run_dir)
     try:
         return _follow(sched, view, setup)
     finally:  # segments a dead consumer never mapped would otherwise outlive the run
         shm.cleanup_segments(shm.segment_prefix(setup.experiment_name, setup.trial_name))
+
+
+def submit_rollout_side(sched, setup, common: list[str], overrides: list[str], env: dict[str, str]) -> None:
+    """Generation servers (expendable: the controller fails over), the rollout controller and the
+    rollout workers (services: stopped once the master is done) of an asynchronous run."""
+    spec = setup.rollout
+    entry = [sys.executable, "-m", "realflow.rollout.main"]
+
+    def argv(role: str, i: int) -> list[str]:
+        return entry + ["--role", role, "--index", str(i)] + common + ["--"] + overrides
+
+    for i in range(spec.n_servers):
+        sched.submit(f"gen_server/{i}", argv("gen_server", i), env=env, n_threads=spec.server_tp * setup.worker_threads,
+                     expendable=True)
+    sched.submit("rollout_controller", argv("rollout_controller", 0), env=env, n_threads=1, service=True)
+    for i in range(spec.n_rollout_workers):
+        sched.submit(f"rollout_worker/{i}", argv("rollout_worker", i), env=env, n_threads=1, service=True)
 
 
 def _follow(sched, view: "ConsoleView", setup) -> int:
@@ -152,12 +171,16 @@ def _follow(sched, view: "ConsoleView", setup) -> int:
 
 
 _SHOWN = ("/loss", "/lr", "/grad_norm", "/reward", "/accuracy")
+# asynchronous runs: weight version, staleness, buffer and throughput
+_ASYNC_SHOWN = {"async/version": "v", "async/offpolicy_head_max": "stale", "async/buffer_size": "buf",
+                "async/trained_samples_per_s": "samples/s", "async/gen_tokens_per_s": "gen_tok/s"}
 
 
 def progress_fields(stats: dict) -> dict[str, str]:
     """The live progress line: losses, rewards and learning rates, then seconds per MFC."""
     shown = {k.replace("_train/", "/").replace("/", ":", 1) if k.count("/") else k: f"{v:.3g}"
              for k, v in stats.items() if k.endswith(_SHOWN)}
+    shown.update({short: f"{stats[k]:.3g}" for k, short in _ASYNC_SHOWN.items() if k in stats})
     times = {k[5:]: v for k, v in stats.items() if k.startswith("time/") and k not in ("time/step", "time/fetch")}
     if times:
         shown["s"] = ",".join(f"{k.replace('actor_', '').replace('_inf', '')}={v:.2f}" for k, v in times.items())

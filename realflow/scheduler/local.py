@@ -106,6 +106,8 @@ class _Worker:
     log_path: Path
     returncode: int | None = None
     group_gone: bool = False  # its process group was seen empty: never signal that pgid again
+    service: bool = False  # serves the others: the job is done without it exiting
+    expendable: bool = False  # its death is logged, not fatal (its users fail over)
 
     @property
     def pid(self) -> int:
@@ -126,17 +128,22 @@ class LocalScheduler:
         self._reaper: subprocess.Popen | None = None
         self._strays: dict[int, int] = {}  # pid -> start time of workers' out-of-group descendants
         self._last_scan = 0.0
+        self._lost_expendable: set[str] = set()  # expendable workers already reported dead
         self._lock = threading.RLock()
         self._closed = False
 
     # ---- starting -------------------------------------------------------------------
     def submit(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
-               n_threads: int = 1, cwd: str | os.PathLike | None = None) -> int:
+               n_threads: int = 1, cwd: str | os.PathLike | None = None, *, service: bool = False,
+               expendable: bool = False) -> int:
         """Start worker ``name`` running ``argv``; returns its pid.
 
         ``env`` is added to this process's environment. The thread variables
         (OMP/MKL/OPENBLAS/REALFLOW_NUM_THREADS) come from ``n_threads`` and must not be
         set differently in ``env``. REALFLOW_ROLE is set to ``name`` for log lines.
+        A ``service`` (e.g. a generation server) runs until the other workers are done
+        and is then stopped; an ``expendable`` service may die without failing the job
+        (its death is logged with its exit and last log lines; its clients fail over).
         """
         if self._closed:
             raise RuntimeError("LocalScheduler is closed")
@@ -179,7 +186,8 @@ class LocalScheduler:
                     )
                 except (FileNotFoundError, PermissionError) as e:
                     raise RuntimeError(f"cannot start worker '{name}': {argv[0]!r}: {e.strerror}") from None
-            self._workers[name] = _Worker(name, argv, popen, log_path)
+            self._workers[name] = _Worker(name, argv, popen, log_path, service=service or expendable,
+                                          expendable=expendable)
             self._tell_reaper(f"+ {popen.pid}")
         if self._console is not None:
             self._console.add(name, log_path)
@@ -242,9 +250,11 @@ class LocalScheduler:
             while True:
                 codes = self.poll()
                 failed = [n for n, rc in codes.items() if rc not in (None, 0)]
+                self._note_expendable([n for n in failed if self._workers[n].expendable])
+                failed = [n for n in failed if not self._workers[n].expendable]
                 if failed:
                     self._fail(failed)
-                running = [n for n, rc in codes.items() if rc is None]
+                running = [n for n, rc in codes.items() if rc is None and not self._workers[n].service]
                 if running and time.monotonic() - self._last_scan > STRAY_SCAN_INTERVAL:
                     self._remember_strays()
                 if not running:
@@ -259,6 +269,15 @@ class LocalScheduler:
             raise
         finally:
             restore()
+
+    def _note_expendable(self, dead: list[str]) -> None:
+        for n in dead:
+            if n not in self._lost_expendable:
+                self._lost_expendable.add(n)
+                w = self._workers[n]
+                tail = "\n".join(f"    | {ln}" for ln in read_log_tail(w.log_path, 5))
+                logger.warning("expendable worker %s (pid %d) %s; the job goes on. Last lines of %s:\n%s",
+                               n, w.pid, describe_exit(w.returncode), w.log_path, tail)
 
     def running(self) -> list[str]:
         """Names of workers that have not exited yet."""

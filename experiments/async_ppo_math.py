@@ -1,0 +1,188 @@
+"""Asynchronous GRPO on math prompts: ``python -m realflow.apps.main_async_ppo``.
+
+Generation servers keep generating while the trainer trains (DESIGN §8): rollout
+workers run the ``math`` agent (a group of ``n_samples`` answers per prompt, scored by a
+rule reward), the rollout controller admits rollouts only while the staleness bound
+``max_head_offpolicyness`` can hold, and after every train step the new weights reach
+the servers in memory (``weight_sync=memory``; ``disk`` writes a checkpoint instead).
+
+Default: the SFT default's checkpoint (trained first if absent), one CPU generation
+server and one CPU trainer (``allocation="gen:d1+train:d1"``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from experiments.ppo_math import PPOHyperConfig, RLDataConfig, RLModelConfig, _RLBase
+from experiments.sft import _asdict
+from graphs.async_ppo import AsyncPPOGraphConfig
+from graphs.ppo import ACTOR, REF
+from realflow.api.agent import agent_registry
+from realflow.api.allocation import ALLOCATION_GRAMMAR, AllocationError, parse_strategy
+from realflow.api.batch import MicroBatchSpec
+from realflow.api.dfg import graph_registry
+from realflow.api.experiment import (DatasetSpec, EvalSpec, ExperimentSetup, ModelSpec, OptimizerConfig,
+                                     register_experiment)
+from realflow.api.rollout import RolloutError, RolloutSpec
+
+
+@dataclass
+class AsyncRolloutConfig:
+    max_head_offpolicyness: int = field(default=4, metadata={
+        "help": "eta: trainer version - oldest token version <= eta for every trained rollout (0 = on-policy)"})
+    weight_sync: str = field(default="memory", metadata={"help": "memory (shared memory) | disk (checkpoint)"})
+    interrupt_mode: str = field(default="abort", metadata={
+        "help": "requests running during a weight update: abort (resubmitted with their prefix) | "
+                "recompute (kept; KV cache recomputed under the new weights)"})
+    n_rollout_workers: int = field(default=1, metadata={"help": "rollout worker processes (asyncio)"})
+    max_concurrent_rollouts: int = field(default=64, metadata={"help": "rollouts in flight per rollout worker"})
+    agent: str = field(default="math", metadata={"help": "registered agent (realflow.api.agent registry)"})
+    agent_args: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "extra agent arguments (JSON); the math agent also gets n_samples, max_new_tokens, temperature "
+                "and reward from the ppo/reward fields"})
+    reward_timeout_s: float = field(default=10.0, metadata={"help": "per reward call, in the reward process pool"})
+    reward_processes: int = field(default=1, metadata={"help": "reward process pool size per rollout worker"})
+    max_running_requests: int = field(default=128, metadata={"help": "KV-cache slots per generation server"})
+    backend: str = field(default="builtin", metadata={"help": "generation backend: builtin | sglang"})
+
+
+@dataclass
+class _AsyncBase(_RLBase):
+    _graph = "async_ppo"
+
+    def _split_allocation(self) -> tuple[Any, str]:
+        """``gen:<strategy>+<trainer allocation>`` -> (generation strategy, trainer allocation)."""
+        alloc = self.allocation or "gen:d1+train:d1"
+        terms = [t.strip() for t in alloc.split("+")]
+        gen = [t for t in terms if t.startswith("gen:")]
+        rest = [t for t in terms if not t.startswith("gen:")]
+        if len(gen) != 1 or len(rest) != 1:
+            raise AllocationError(
+                f"allocation={alloc!r}: an asynchronous run needs one 'gen:<strategy>' term for the generation "
+                f"servers and one term for the trainer, e.g. 'gen:d1+train:d1' or 'gen:d4t2+train:d2p2'\n"
+                + ALLOCATION_GRAMMAR)
+        try:
+            strategy = parse_strategy(gen[0][4:])
+        except AllocationError as e:
+            raise AllocationError(f"allocation={alloc!r}, generation part: {e}") from None
+        if strategy.pp != 1:
+            raise AllocationError(f"allocation={alloc!r}: generation servers do not pipeline (pp must be 1)")
+        if strategy.tp != 1 and self.rollout.backend == "builtin":
+            raise AllocationError(f"allocation={alloc!r}: the builtin generation server runs one process per "
+                                  f"server (tp=1); tensor-parallel servers need rollout.backend=sglang")
+        train = rest[0]
+        return strategy, train[6:] if train.startswith("train:") and "," not in train else train
+
+    def _check_gen_fits(self, tp: int, actor: str) -> None:
+        cfg_path = os.path.join(actor, "config.json")
+        if tp == 1 or not os.path.isfile(cfg_path):
+            return
+        with open(cfg_path) as f:
+            hf = json.load(f)
+        heads = int(hf.get("num_attention_heads", 0))
+        kv = int(hf.get("num_key_value_heads", heads))
+        if heads % tp or kv % tp:
+            raise AllocationError(f"generation tp={tp} does not divide the model's {heads} attention heads / "
+                                  f"{kv} key-value heads ({cfg_path})")
+
+    def setup(self) -> ExperimentSetup:
+        actor, tok, train, test = self._paths()
+        h, r = self.ppo, self.rollout
+        gen, train_alloc = self._split_allocation()
+        self._check_gen_fits(gen.tp, actor)
+        agent_registry.get(r.agent)  # an unknown agent fails here, naming the close ones
+        train_workers = self.n_train_workers(train_alloc)
+        adv = {"estimator": h.estimator, "gamma": h.gamma, "lam": h.lam, "kl_coef": h.kl_coef,
+               "kl_ctl": h.kl_ctl, "kl_target": h.kl_target, "adv_norm": h.adv_norm,
+               "mask_truncated": h.mask_truncated}
+        gcfg = AsyncPPOGraphConfig(
+            batch_size=self.batch_size, use_ref=h.kl_coef > 0,
+            inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
+            train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
+            actor_args={"max_new_tokens": h.max_new_tokens, "temperature": h.temperature, "seed": self.seed,
+                        "ppo_epochs": h.ppo_epochs, "n_minibatches": h.n_minibatches, "eps_clip": h.eps_clip,
+                        "dual_clip": h.dual_clip, "entropy_coef": h.entropy_coef, "adv": adv,
+                        "behav_imp_weight_cap": self.behav_imp_weight_cap,
+                        "eval_max_new_tokens": h.max_new_tokens})
+        mfcs = graph_registry.get("async_ppo")(gcfg)
+        models = {ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer)}
+        if gcfg.use_ref:
+            models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok)
+        data_args: dict[str, Any] = {"max_prompt_len": self.dataset.max_prompt_len}
+        agent_args = dict(r.agent_args)
+        if r.agent == "math":
+            agent_args = {"n_samples": h.n_samples, "max_new_tokens": h.max_new_tokens,
+                          "temperature": h.temperature, "reward": self.reward, **agent_args}
+        try:
+            spec = RolloutSpec(
+                model_path=actor, tokenizer_path=tok, dataset_path=train, dataset_format=self.dataset.format,
+                dataset_args=data_args, n_servers=gen.dp, server_tp=gen.tp, backend=r.backend,
+                max_running_requests=r.max_running_requests, n_rollout_workers=r.n_rollout_workers,
+                max_concurrent_rollouts=r.max_concurrent_rollouts, agent=r.agent, agent_args=agent_args,
+                max_head_offpolicyness=r.max_head_offpolicyness, train_batch_size=self.batch_size,
+                weight_sync=r.weight_sync, interrupt_mode=r.interrupt_mode, reward_timeout_s=r.reward_timeout_s,
+                reward_processes=r.reward_processes, seed=self.seed)
+        except RolloutError as e:
+            raise RolloutError(f"rollout.{e}") from None
+        return ExperimentSetup(
+            experiment_name=self.experiment_name or self._name, trial_name=self.trial_name, mfcs=mfcs,
+            models=models, dataset=DatasetSpec(format=self.dataset.format, path=train, args=data_args),
+            n_workers=train_workers, allocation=train_alloc, run_dir=self.run_dir(self._name),
+            total_train_epochs=self.total_train_epochs, max_train_steps=self.max_train_steps,
+            save_freq_steps=self.save_freq_steps,
+            eval=EvalSpec(role=ACTOR, dataset=DatasetSpec(format=self.dataset.format, path=test, args=data_args),
+                          interface_impl="ppo_actor",
+                          interface_args={"eval_max_new_tokens": h.max_new_tokens,
+                                          "eval_n_samples": self.eval_n_samples,
+                                          "max_new_tokens": h.max_new_tokens, "temperature": h.temperature,
+                                          "seed": self.seed},
+                          freq_steps=self.eval_freq_steps),
+            seed=self.seed, name_resolve=_asdict(self.name_resolve), worker_threads=self.worker_threads,
+            trace=self.trace, rollout=spec)
+
+    @staticmethod
+    def n_train_workers(train_alloc: str) -> int:
+        """Workers of the trainer part: the d*t*p of its strategy (or the highest explicit worker + 1)."""
+        entries = [e.split(":", 1)[-1] for e in train_alloc.strip("{}").split(",")]
+        sizes = []
+        for e in entries:
+            strat, _, workers = e.partition("@")
+            if not workers:
+                sizes.append(parse_strategy(strat).world_size)
+        if not sizes:
+            raise AllocationError(f"trainer allocation {train_alloc!r} needs an entry without '@'")
+        return max(sizes)
+
+
+@register_experiment("async-grpo-math")
+@dataclass
+class AsyncGRPOMathConfig(_AsyncBase):
+    """Asynchronous GRPO on math prompts (see experiments.async_ppo_math)."""
+
+    model: RLModelConfig = field(default_factory=RLModelConfig)
+    dataset: RLDataConfig = field(default_factory=RLDataConfig)
+    ppo: PPOHyperConfig = field(default_factory=lambda: PPOHyperConfig(estimator="grpo", n_samples=8))
+    rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
+    actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
+        lr=5e-5, weight_decay=0.0, warmup_steps_proportion=0.0, lr_scheduler_type="constant"))
+    behav_imp_weight_cap: Optional[float] = field(default=5.0, metadata={
+        "help": "decoupled PPO: cap on pi_prox / pi_behav per token (None = no cap)"})
+    reward: str = field(default="arithmetic", metadata={"help": "reward function (reward registry)"})
+    batch_size: int = field(default=32, metadata={"help": "rollouts (prompts, each a group) per train step"})
+    max_tokens_per_mb: int = field(default=8192, metadata={"help": "micro-batch token budget per worker"})
+    total_train_epochs: int = field(default=1, metadata={"help": "(unused: the data is a stream)"})
+    max_train_steps: Optional[int] = field(default=200, metadata={"help": "train steps"})
+    save_freq_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
+    eval_freq_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0 = before and after)"})
+    eval_n_samples: int = field(default=8, metadata={
+        "help": "held-out samples per prompt at the training temperature for sampled_accuracy (pass@1)"})
+
+    _name = "async-grpo-math"
+
+    def __post_init__(self) -> None:
+        if self.rollout.max_head_offpolicyness < 0:
+            raise ValueError(f"rollout.max_head_offpolicyness={self.rollout.max_head_offpolicyness}: "
+                             "must be >= 0 (0 = on-policy)")

@@ -60,45 +60,69 @@ def _score_in_child(reward: str, samples: list[dict], args: dict) -> list[float]
     return compute_rewards(inputs, RewardConfig(name=reward, args=dict(args))).rewards
 
 
+def _ready() -> bool:
+    return True
+
+
 class RewardPool:
-    """Process pool for rewards with a per-call timeout (a stuck child is killed with its pool)."""
+    """Process pool for rewards with a per-call timeout (a stuck child is killed with its pool).
+
+    The timeout covers the reward's own work only: at most ``n`` calls are handed to the
+    pool at once (the others wait their turn outside the clock), and a new pool is
+    warmed up (children started, modules imported) before calls are timed on it.
+    """
+
+    STARTUP_TIMEOUT_S = 300.0  # spawning children that import the reward modules
 
     def __init__(self, n: int, imports: list[str], timeout: float) -> None:
         self.n, self.imports, self.timeout = n, list(imports), timeout
         self.timeouts = 0
-        self._pool = self._new()
+        self._slots: Optional[asyncio.Semaphore] = None
+        self._pool, self._warm = self._new(), None
 
     def _new(self) -> cf.ProcessPoolExecutor:
         return cf.ProcessPoolExecutor(self.n, mp_context=multiprocessing.get_context("spawn"),
                                       initializer=_child_init, initargs=(self.imports,))
 
+    async def _warm_up(self, pool: cf.ProcessPoolExecutor) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.wait_for(asyncio.gather(*(loop.run_in_executor(pool, _ready) for _ in range(self.n))),
+                               self.STARTUP_TIMEOUT_S)
+
     async def score(self, reward: str, samples: Sequence[dict], args: Optional[dict] = None) -> list[float]:
         loop = asyncio.get_running_loop()
-        for attempt in range(2):
-            pool = self._pool
-            fut = loop.run_in_executor(pool, _score_in_child, reward, list(samples), dict(args or {}))
-            try:
-                return await asyncio.wait_for(fut, self.timeout)
-            except asyncio.TimeoutError:
-                self.timeouts += 1
-                self._replace(pool)
-                raise RewardTimeout(f"reward {reward!r} did not finish {len(samples)} samples within "
-                                    f"reward_timeout_s={self.timeout:g}s") from None
-            except cf.process.BrokenProcessPool:
-                if attempt:  # replaced under us by another call's timeout: retry once on the new pool
-                    raise
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.n)
+        async with self._slots:
+            for attempt in range(2):
+                pool = self._pool
+                if self._warm is None:
+                    self._warm = asyncio.ensure_future(self._warm_up(pool))
+                await asyncio.shield(self._warm)
+                fut = loop.run_in_executor(pool, _score_in_child, reward, list(samples), dict(args or {}))
+                try:
+                    return await asyncio.wait_for(fut, self.timeout)
+                except asyncio.TimeoutError:
+                    self.timeouts += 1
+                    self._replace(pool)
+                    raise RewardTimeout(f"reward {reward!r} did not finish {len(samples)} samples within "
+                                        f"reward_timeout_s={self.timeout:g}s") from None
+                except cf.process.BrokenProcessPool:
+                    if attempt:  # replaced under us by another call's timeout: retry once on the new pool
+                        raise
         raise AssertionError("unreachable")
 
     def _replace(self, pool: cf.ProcessPoolExecutor) -> None:
         if pool is not self._pool:
             return
-        self._pool = self._new()
+        self._pool, self._warm = self._new(), None
         for p in list(getattr(pool, "_processes", {}).values()):
             p.kill()
         pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
-        self._replace(self._pool)
+        for p in list(getattr(self._pool, "_processes", {}).values()):
+            p.kill()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 

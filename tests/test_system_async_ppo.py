@@ -1,0 +1,98 @@
+"""Asynchronous PPO end to end through the real launcher: master, model worker, generation
+server, rollout controller and rollout worker as separate processes (``gen:d1+train:d1``).
+
+A small SFT run first produces the starting checkpoint, as the default does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGINS = os.path.join(REPO, "tests", "plugins")
+SFT_SMALL = ["dataset.n_train=3000", "dataset.n_test=64", "model.arch.hidden_size=64",
+             "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=128", "batch_size=32",
+             "max_train_steps=400", "optimizer.lr=3e-3"]
+FAST = ["dataset.n_test=32", "eval_n_samples=2", "dataset.n_train=4000"]
+
+
+def _run(module_args, fileroot, *overrides, timeout=600):
+    cmd = [sys.executable, "-m", *module_args, f"fileroot={fileroot}", *overrides]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([PLUGINS, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _rows(run_dir):
+    with open(os.path.join(run_dir, "stats.jsonl")) as f:
+        return [r for r in map(json.loads, filter(str.strip, f)) if "actor_train/reward" in r]
+
+
+@pytest.fixture(scope="module")
+def fileroot(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    res = _run(["realflow.apps.main_sft"], root, *SFT_SMALL, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return root
+
+
+@pytest.mark.timeout(300)
+def test_async_grpo_raises_reward_within_the_staleness_bound(fileroot):
+    steps, eta = 30, 2
+    res = _run(["realflow.apps.main_async_ppo"], fileroot, *FAST, f"max_train_steps={steps}", "batch_size=16",
+               "actor_optimizer.lr=1e-4", "reward=arithmetic_consistency", f"rollout.max_head_offpolicyness={eta}",
+               "seed=3", "trial_name=learn")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rows(fileroot / "async-grpo-math" / "learn")
+    assert len(rows) == steps
+    assert max(r["async/offpolicy_head_max"] for r in rows) <= eta
+    assert [r["async/version"] for r in rows] == list(range(1, steps + 1))
+    assert rows[-1]["async/weight_rounds"] >= steps - 2  # a round per step (a superseded one may be skipped)
+    first = sum(r["actor_train/reward"] for r in rows[:5]) / 5
+    last = sum(r["actor_train/reward"] for r in rows[-5:]) / 5
+    assert last > first + 0.15, (first, last)
+    assert "held-out sampled_accuracy:" in res.stdout
+
+
+@pytest.mark.timeout(300)
+def test_on_policy_eta_zero_trains_only_the_current_version(fileroot):
+    res = _run(["realflow.apps.main_async_ppo"], fileroot, *FAST, "max_train_steps=4", "batch_size=8",
+               "rollout.max_head_offpolicyness=0", "trial_name=eta0", "rollout.interrupt_mode=recompute")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rows(fileroot / "async-grpo-math" / "eta0")
+    assert len(rows) == 4
+    for r in rows:
+        assert r["async/offpolicy_head_max"] == 0 and r["async/offpolicy_tail_mean"] == 0
+        # every token came from the weights being trained: behaviour == proximal policy
+        assert r["actor_train/gen_train_kl"] < 1e-8
+        assert abs(r["actor_train/behav_imp_weight"] - 1.0) < 1e-4
+
+
+@pytest.mark.timeout(300)
+def test_failing_agent_and_slow_reward_are_counted_not_fatal(fileroot):
+    res = _run(["realflow.apps.main_async_ppo", "--import", "flaky_agent"], fileroot, *FAST, "max_train_steps=3",
+               "batch_size=8", "rollout.agent=flaky", "rollout.reward_timeout_s=1", "trial_name=flaky",
+               "rollout.weight_sync=disk")
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = fileroot / "async-grpo-math" / "flaky"
+    rows = _rows(run_dir)
+    assert len(rows) == 3 and rows[-1]["async/agent_errors"] > 0
+    log = (run_dir / "logs" / "rollout_worker" / "0.log").read_text()
+    assert "flaky agent refuses row" in log
+    assert "reward 'sleepy' did not finish" in log
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.max_head_offpolicyness=-1", "rollout.max_head_offpolicyness=-1: must be >= 0"),
+    ("rollout.agent=mth", "unknown agent 'mth'; did you mean 'math'?"),
+    ("allocation=gen:d1t2+train:d1", "tensor-parallel servers need rollout.backend=sglang"),
+    ("allocation=d2", "needs one 'gen:<strategy>' term"),
+    ("rollout.weight_sync=nfs", "weight_sync='nfs'"),
+])
+def test_bad_async_config_is_one_line_naming_the_field(tmp_path, override, message):
+    res = _run(["realflow.apps.main_async_ppo"], tmp_path, override, "--dry-run", timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:]
+    assert message in res.stderr, res.stderr

@@ -96,3 +96,39 @@ def test_bad_async_config_is_one_line_naming_the_field(tmp_path, override, messa
     res = _run(["realflow.apps.main_async_ppo"], tmp_path, override, "--dry-run", timeout=120)
     assert res.returncode == 2, res.stdout[-2000:]
     assert message in res.stderr, res.stderr
+
+
+@pytest.mark.timeout(300)
+def test_generation_server_killed_mid_run_the_run_goes_on(fileroot):
+    import re
+    import time
+
+    trial = "killed"
+    run_dir = fileroot / "async-grpo-math" / trial
+    cmd = [sys.executable, "-m", "realflow.apps.main_async_ppo", f"fileroot={fileroot}", *FAST,
+           "max_train_steps=10", "batch_size=8", "allocation=gen:d2+train:d1", f"trial_name={trial}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = False
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if not killed and (run_dir / "stats.jsonl").is_file() and len(_rows(run_dir)) >= 3:
+            pattern = f"--role gen_server --index 0 .*fileroot={re.escape(str(fileroot))}"
+            out = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
+            assert out, "gen_server/0 not found"
+            subprocess.run(["kill", "-9", *out])
+            killed = True
+        time.sleep(0.2)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert killed and proc.returncode == 0, stderr[-3000:]
+    rows = _rows(run_dir)
+    assert len(rows) == 10
+    log = (run_dir / "logs" / "rollout_controller.log").read_text()
+    assert "generation server gen_server/0" in log and "lost" in log
+
+
+def test_dry_run_prints_and_draws_processes_and_flows(tmp_path):
+    res = _run(["realflow.apps.main_async_ppo"], tmp_path, "--dry-run", "allocation=gen:d2+train:d1", timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "gen_server/0..1: builtin backend" in res.stdout
+    assert "rollout_worker -> model_worker inbox: trajectories" in res.stdout
+    assert (tmp_path / "async-grpo-math" / "trial0" / "processes.png").stat().st_size > 10_000

@@ -84,6 +84,12 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
         png = os.path.join(setup.run_dir, "plan.png")
         plan.draw(png)
         print(f"graph and placement drawn to {png}")
+        if setup.rollout is not None:
+            from realflow.apps.async_view import describe_rollout, draw_processes
+
+            print(describe_rollout(setup))
+            procs = draw_processes(setup, os.path.join(setup.run_dir, "processes.png"))
+            print(f"processes and flows drawn to {procs}")
         return 0
     try:
         cfg.prepare()

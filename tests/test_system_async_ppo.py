@@ -98,6 +98,23 @@ def test_bad_async_config_is_one_line_naming_the_field(tmp_path, override, messa
     assert message in res.stderr, res.stderr
 
 
+def _pids_matching(pattern: str) -> list[int]:
+    """Processes whose command line matches ``pattern`` (a /proc scan, like pgrep -f)."""
+    import re
+
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if re.search(pattern, cmd):
+                out.append(int(d))
+    return out
+
+
 @pytest.mark.timeout(300)
 def test_generation_server_killed_mid_run_the_run_goes_on(fileroot):
     import re
@@ -112,10 +129,10 @@ def test_generation_server_killed_mid_run_the_run_goes_on(fileroot):
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         if not killed and (run_dir / "stats.jsonl").is_file() and len(_rows(run_dir)) >= 3:
-            pattern = f"--role gen_server --index 0 .*fileroot={re.escape(str(fileroot))}"
-            out = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()
-            assert out, "gen_server/0 not found"
-            subprocess.run(["kill", "-9", *out])
+            pids = _pids_matching(f"--role gen_server --index 0 .*fileroot={re.escape(str(fileroot))}")
+            assert pids, "gen_server/0 not found"
+            for pid in pids:
+                os.kill(pid, 9)
             killed = True
         time.sleep(0.2)
     stdout, stderr = proc.communicate(timeout=60)

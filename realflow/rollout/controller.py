@@ -31,7 +31,6 @@ import asyncio
 import logging
 import os
 import shutil
-import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -306,8 +305,7 @@ def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.
 # ---------------------------------------------------------------- trainer side (ZMQ RPC)
 
 
-def master_handlers(ctl: RolloutController, loop: asyncio.AbstractEventLoop,
-                    stop: threading.Event) -> dict[str, Any]:
+def master_handlers(ctl: RolloutController, loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
     """Handlers the master calls (from the RPC thread; each hops onto the event loop)."""
 
     def on_loop(fn, *args, timeout: float = 60.0):
@@ -327,11 +325,13 @@ def master_handlers(ctl: RolloutController, loop: asyncio.AbstractEventLoop,
         return {"queued": True}
 
     def finish(payload: dict) -> dict:
+        """No new rollouts (workers asking are told to stop). The controller itself keeps
+        serving, as a service, until the launcher stops the run, so that no rollout worker
+        finds it gone while the trainer finishes its evaluation and checkpoint."""
         def _stop():
             ctl.stopping = True
             asyncio.ensure_future(ctl._notify())
         on_loop(_stop)
-        stop.set()
         return {"stopped": True}
 
     return {"counts": counts, "update_weights": update_weights, "finish": finish,

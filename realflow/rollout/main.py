@@ -102,14 +102,14 @@ def run_controller(setup: ExperimentSetup, secret: bytes) -> int:
                                      timeout=setup.setup_timeout_s)
         beat = Heartbeater(names.ROLLOUT_CONTROLLER, hb, secret).start()
         endpoint = WorkerEndpoint(names.ROLLOUT_CONTROLLER, master, secret)
-        rpc = threading.Thread(target=endpoint.serve, args=(master_handlers(ctl, loop, stop), stop),
+        rpc = threading.Thread(target=endpoint.serve, args=(master_handlers(ctl, loop), stop),
                                name="master-rpc", daemon=True)
         rpc.start()
         try:
-            while not stop.is_set():
+            while not stop.is_set():  # until SIGTERM from the launcher (a service)
                 await asyncio.sleep(0.2)
-            await asyncio.sleep(0.5)  # let rollout workers hear 'stop' on their next /admit
         finally:
+            stop.set()
             await asyncio.to_thread(rpc.join, 5.0)
             beat.stop()
             endpoint.close()

@@ -30,7 +30,7 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
-from realflow.api.agent import AgentContext, Completion, RewardTimeout, make_agent
+from realflow.api.agent import Completion, RewardTimeout, make_agent
 from realflow.api.dataset import PromptAnswerDataset, PromptFormat
 from realflow.api.experiment import ExperimentSetup
 from realflow.api.rollout import rollout_to_batch

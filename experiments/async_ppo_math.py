@@ -24,7 +24,7 @@ from realflow.api.agent import agent_registry
 from realflow.api.allocation import ALLOCATION_GRAMMAR, AllocationError, parse_strategy
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
-from realflow.api.experiment import (DatasetSpec, EvalSpec, ExperimentSetup, ModelSpec, OptimizerConfig,
+from realflow.api.experiment import (DatasetSpec, ExperimentSetup, ModelSpec, OptimizerConfig,
                                      register_experiment)
 from realflow.api.rollout import RolloutError, RolloutSpec
 
@@ -133,13 +133,7 @@ class _AsyncBase(_RLBase):
             n_workers=train_workers, allocation=train_alloc, run_dir=self.run_dir(self._name),
             total_train_epochs=self.total_train_epochs, max_train_steps=self.max_train_steps,
             save_freq_steps=self.save_freq_steps,
-            eval=EvalSpec(role=ACTOR, dataset=DatasetSpec(format=self.dataset.format, path=test, args=data_args),
-                          interface_impl="ppo_actor",
-                          interface_args={"eval_max_new_tokens": h.max_new_tokens,
-                                          "eval_n_samples": self.eval_n_samples,
-                                          "max_new_tokens": h.max_new_tokens, "temperature": h.temperature,
-                                          "seed": self.seed},
-                          freq_steps=self.eval_freq_steps),
+            eval=self._eval_spec(test, data_args),
             seed=self.seed, name_resolve=_asdict(self.name_resolve), worker_threads=self.worker_threads,
             trace=self.trace, rollout=spec)
 

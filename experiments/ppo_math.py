@@ -140,16 +140,20 @@ class _RLBase(BaseExperimentConfig):
             n_workers=self.n_workers, allocation=self.allocation or self._default_allocation(),
             run_dir=self.run_dir(self._name), total_train_epochs=self.total_train_epochs,
             max_train_steps=self.max_train_steps, save_freq_steps=self.save_freq_steps,
-            eval=EvalSpec(role=ACTOR, dataset=DatasetSpec(format=self.dataset.format, path=test, args=data_args),
-                          interface_impl="ppo_actor",
-                          interface_args={"eval_max_new_tokens": h.max_new_tokens,
-                                          "eval_n_samples": self.eval_n_samples,
-                                          "max_new_tokens": h.max_new_tokens, "temperature": h.temperature,
-                                          "seed": self.seed},
-                          freq_steps=self.eval_freq_steps),
+            eval=self._eval_spec(test, data_args),
             seed=self.seed, name_resolve=_asdict(self.name_resolve), worker_threads=self.worker_threads,
             trace=self.trace,
         )
+
+    def _eval_spec(self, test: str, data_args: dict[str, Any]) -> EvalSpec:
+        """Held-out greedy accuracy and pass@1 of the actor (``eval_n_samples`` seeded samples per prompt)."""
+        h = self.ppo
+        return EvalSpec(role=ACTOR, dataset=DatasetSpec(format=self.dataset.format, path=test, args=data_args),
+                        interface_impl="ppo_actor",
+                        interface_args={"eval_max_new_tokens": h.max_new_tokens, "eval_n_samples": self.eval_n_samples,
+                                        "max_new_tokens": h.max_new_tokens, "temperature": h.temperature,
+                                        "seed": self.seed},
+                        freq_steps=self.eval_freq_steps)
 
     def _default_allocation(self) -> str:
         n = self.n_workers

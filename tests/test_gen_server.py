@@ -9,9 +9,6 @@ The backend lock's stuck-holder warning is a unit test on real threads (no serve
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,8 +21,6 @@ from realflow.rollout.gen_client import GenerationClient, GenerationServerError
 
 torch.set_num_threads(1)
 LOGPROB_ATOL = 1e-4
-START_TIMEOUT = 90.0
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -39,39 +34,9 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
+def server(models, start_gen_server):
     """(url, process) of a gen server on model a."""
-    log_path = tmp_path_factory.mktemp("log") / "server.log"
-    log = open(log_path, "w")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "realflow.rollout.gen_server", "--model", models["a"][0],
-         "--backend", "builtin", "--import", "parallel.generation", "--port", "0",
-         "--threads", "1", "--max-running-requests", "16"],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
-    ready: list[str] = []
-
-    def read() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            if line.startswith("READY "):
-                ready.append(line.split()[1])
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + START_TIMEOUT
-    while not ready:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.close()
-            pytest.fail(f"gen server did not start within {START_TIMEOUT}s:\n{log_path.read_text()[-3000:]}")
-        time.sleep(0.1)
-    yield ready[0], proc
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    yield start_gen_server(models["a"][0], "--max-running-requests", "16")
 
 
 @pytest.fixture

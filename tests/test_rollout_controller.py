@@ -11,11 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
 import torch
@@ -27,7 +22,6 @@ from realflow.rollout.controller import RolloutController
 from realflow.rollout.server_pool import NoServerError
 
 torch.set_num_threads(1)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "test-token-0123456789"
 LOGPROB_ATOL = 1e-4
 
@@ -41,32 +35,10 @@ def models(tmp_path_factory):
     return out
 
 
-def _start_server(path: str, log_path) -> tuple[str, subprocess.Popen]:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", RF_TEST_KEY=API_KEY)
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "realflow.rollout.gen_server", "--model", path, "--backend",
-                             "builtin", "--import", "parallel.generation", "--port", "0", "--threads", "1",
-                             "--max-running-requests", "32", "--api-key-env", "RF_TEST_KEY"],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=ROOT)
-    ready: list[str] = []
-
-    def read() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            if line.startswith("READY "):
-                ready.append(line.split()[1])
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 90
-    while not ready:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"gen server did not start:\n{open(log_path).read()[-3000:]}")
-        time.sleep(0.1)
-    return ready[0], proc
-
-
 @pytest.fixture
-def servers(models, tmp_path):
-    started = [_start_server(models["a"][0], tmp_path / f"server{i}.log") for i in range(2)]
+def servers(models, start_gen_server):
+    started = [start_gen_server(models["a"][0], "--max-running-requests", "32", "--api-key-env", "RF_TEST_KEY",
+                                env={"RF_TEST_KEY": API_KEY}) for _ in range(2)]
     yield started
     for _, p in started:
         p.kill()

@@ -175,11 +175,17 @@ def ensure_dataset(out_dir: str | os.PathLike, n_train: int, n_test: int, seed: 
     Idempotent and safe to call from every worker: files are replaced atomically
     and the content is a pure function of the arguments.
     """
+    params = {"generator": "arithmetic", "version": GENERATOR_VERSION, "n_train": n_train,
+              "n_test": n_test, "seed": seed, "difficulty": difficulty, "ops": ops, "style": style}
+    return write_splits_once(out_dir, params, lambda: generate_splits(n_train, n_test, seed, difficulty, ops, style))
+
+
+def write_splits_once(out_dir: str | os.PathLike, params: dict, make) -> ArithmeticDataset:
+    """Write ``make()``'s (train, test) rows under ``out_dir`` unless its manifest records the
+    same ``params`` and the files still have the recorded hashes (shared by the generated tasks)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train_p, test_p, man_p = out / "train.jsonl", out / "test.jsonl", out / "manifest.json"
-    params = {"generator": "arithmetic", "version": GENERATOR_VERSION, "n_train": n_train,
-              "n_test": n_test, "seed": seed, "difficulty": difficulty, "ops": ops, "style": style}
     paths = ArithmeticDataset(str(train_p), str(test_p), str(man_p))
     if man_p.exists() and train_p.exists() and test_p.exists():
         try:
@@ -189,7 +195,7 @@ def ensure_dataset(out_dir: str | os.PathLike, n_train: int, n_test: int, seed: 
         if (man.get("params") == params and man.get("sha256", {}).get("train") == _sha256(train_p)
                 and man.get("sha256", {}).get("test") == _sha256(test_p)):
             return paths
-    train, test = generate_splits(n_train, n_test, seed, difficulty, ops, style)
+    train, test = make()
     _write_jsonl(train_p, train)
     _write_jsonl(test_p, test)
     manifest = {"params": params, "sha256": {"train": _sha256(train_p), "test": _sha256(test_p)}}

@@ -35,13 +35,11 @@ Rows are GSM8K-shaped, plus ``steps`` for per-length accuracy::
 """
 from __future__ import annotations
 
-import json
 import os
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
-from experiments.tasks.arithmetic import ArithmeticDataset, _number, _sha256, _write_jsonl
+from experiments.tasks.arithmetic import ArithmeticDataset, _number, write_splits_once
 
 # Bump when the text a seed produces changes, so cached files are rebuilt.
 GENERATOR_VERSION = 1
@@ -176,29 +174,11 @@ def ensure_dataset(out_dir: str | os.PathLike, n_train: int, n_test: int, seed: 
     and the content is a pure function of the arguments.
     """
     _check_args(n_train, n_test, max_steps, digits, alpha)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    train_p, test_p, man_p = out / "train.jsonl", out / "test.jsonl", out / "manifest.json"
     params = {"generator": "worked_arithmetic", "version": GENERATOR_VERSION, "n_train": n_train,
               "n_test": n_test, "seed": seed, "max_steps": max_steps, "digits": digits,
               "alpha": float(alpha)}
-    paths = ArithmeticDataset(str(train_p), str(test_p), str(man_p))
-    if man_p.exists() and train_p.exists() and test_p.exists():
-        try:
-            man = json.loads(man_p.read_text())
-        except json.JSONDecodeError:
-            man = {}
-        if (man.get("params") == params and man.get("sha256", {}).get("train") == _sha256(train_p)
-                and man.get("sha256", {}).get("test") == _sha256(test_p)):
-            return paths
-    train, test = generate_splits(n_train, n_test, seed, max_steps, digits, alpha)
-    _write_jsonl(train_p, train)
-    _write_jsonl(test_p, test)
-    manifest = {"params": params, "sha256": {"train": _sha256(train_p), "test": _sha256(test_p)}}
-    tmp = man_p.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(tmp, man_p)
-    return paths
+    return write_splits_once(out_dir, params,
+                             lambda: generate_splits(n_train, n_test, seed, max_steps, digits, alpha))
 
 
 __all__ = ["WorkedProblem", "sample_problem", "step_weights", "generate_splits", "ensure_dataset",

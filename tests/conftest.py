@@ -111,3 +111,15 @@ def start_gen_server(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+@pytest.fixture(scope="module")
+def two_tiny_qwen2(tmp_path_factory):
+    """{"a": (path, model), "b": (path, model)}: two different random tiny Qwen2 HF checkpoints."""
+    from parallel.testing import make_tiny_hf
+
+    out = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        path = str(tmp_path_factory.mktemp(name))
+        out[name] = (path, make_tiny_hf(path, seed=seed, family="qwen2")[1])
+    return out

@@ -16,7 +16,6 @@ import pytest
 import requests
 import torch
 
-from parallel.testing import make_tiny_hf
 from realflow.rollout.gen_client import GenerationClient, GenerationServerError
 
 torch.set_num_threads(1)
@@ -24,13 +23,8 @@ LOGPROB_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    out = {}
-    for name, seed in (("a", 1), ("b", 2)):
-        path = str(tmp_path_factory.mktemp(name))
-        _, model = make_tiny_hf(path, seed=seed, family="qwen2")
-        out[name] = (path, model)
-    return out
+def models(two_tiny_qwen2):
+    return two_tiny_qwen2
 
 
 @pytest.fixture(scope="module")

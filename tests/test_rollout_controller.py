@@ -15,7 +15,6 @@ import asyncio
 import pytest
 import torch
 
-from parallel.testing import make_tiny_hf
 from realflow.api.rollout import RolloutSpec
 from realflow.comm import shm
 from realflow.rollout.controller import RolloutController
@@ -27,12 +26,8 @@ LOGPROB_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    out = {}
-    for name, seed in (("a", 1), ("b", 2)):
-        path = str(tmp_path_factory.mktemp(name))
-        out[name] = (path, make_tiny_hf(path, seed=seed, family="qwen2")[1])
-    return out
+def models(two_tiny_qwen2):
+    return two_tiny_qwen2
 
 
 @pytest.fixture

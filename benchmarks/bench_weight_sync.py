@@ -76,6 +76,10 @@ def measure(name: str, arch: dict, rounds: int, disk_dir: str | None) -> tuple[f
     init = os.path.join(work.name, "init")
     model.save_pretrained(init)
     url, proc = _server(init)
+    # the trainer publishes through a pool of pre-faulted segments (as the model worker does)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values()) + (1 << 20)
+    pool = shm.ShmPool(max_bytes=3 * nbytes, max_segments=2)
+    pool.reserve(nbytes, 2)
     spec = RolloutSpec(model_path=init, tokenizer_path=init, dataset_path="-", health_interval_s=5.0)
     times: dict[str, list[float]] = {"memory": [], "disk": []}
 
@@ -92,7 +96,7 @@ def measure(name: str, arch: dict, rounds: int, disk_dir: str | None) -> tuple[f
                     version += 1
                     t0 = time.perf_counter()
                     if mode == "memory":
-                        ctl.request_round(version, shm.put_tensors(state), None)
+                        ctl.request_round(version, pool.put_tensors(state), None)
                     else:
                         path = os.path.join(work.name, f"v{version}")
                         model.save_pretrained(path)
@@ -102,6 +106,7 @@ def measure(name: str, arch: dict, rounds: int, disk_dir: str | None) -> tuple[f
                             raise RuntimeError(ctl.fatal)
                         await asyncio.sleep(0.0005)
                     times[mode].append(time.perf_counter() - t0)
+                    pool.wait_idle(60.0)  # (the refill of the used segment runs between rounds)
                     busy = [t for t in busy if not t.done()]
                     busy += [asyncio.create_task(ctl.pool.complete(f"v{version}-{i}", [5, 6], dict(params, seed=i)))
                              for i in range(8 - len(busy))]
@@ -114,6 +119,7 @@ def measure(name: str, arch: dict, rounds: int, disk_dir: str | None) -> tuple[f
     try:
         asyncio.run(run())
     finally:
+        pool.close()
         proc.kill()
         proc.wait()
         work.cleanup()

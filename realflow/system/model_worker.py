@@ -66,6 +66,7 @@ class ModelWorker:
         self.on_finish = on_finish
         self._calls: dict[str, _MFCCall] = {}  # per MFC name, filled on its first run
         self.inbox: TrajectoryInbox | None = None
+        self._wpool: shm.ShmPool | None = None  # for publish_weights (asynchronous runs)
         if setup.rollout is not None:  # asynchronous PPO: rollouts arrive here, not from a data set
             if secret is None:
                 raise ValueError("an asynchronous run's model worker needs the experiment secret")
@@ -152,8 +153,17 @@ class ModelWorker:
             state = model.module.full_hf_state()
             if state is None:
                 return {"handle": None}
+            return {"handle": self._weights_pool(state).put_tensors(state)}
+
+    def _weights_pool(self, state: dict) -> shm.ShmPool:
+        """Pre-faulted shared memory for published weights: a fresh segment costs ~3x a memcpy
+        (page faults and zeroing), on the critical path of every weight-update round."""
+        if self._wpool is None:
+            nbytes = sum(t.numel() * t.element_size() for t in state.values()) + (1 << 20)
             prefix = shm.segment_prefix(self.setup.experiment_name, self.setup.trial_name)
-            return {"handle": shm.put_tensors(state, prefix=prefix)}
+            self._wpool = shm.ShmPool(prefix, max_bytes=3 * nbytes, max_segments=2)
+            self._wpool.reserve(nbytes, 2)
+        return self._wpool
 
     def _is_writer(self, role: str) -> bool:
         return self.plan.role_home[role].workers[0] == self.index
@@ -252,6 +262,8 @@ class ModelWorker:
         self.data.close()
         if self.inbox is not None:
             self.inbox.close()
+        if self._wpool is not None:
+            self._wpool.close()
         if self.on_finish is not None:  # stop serving once this reply is sent
             self.on_finish()
         return {"worker": self.name}

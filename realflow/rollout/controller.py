@@ -159,6 +159,7 @@ class RolloutController:
                 "servers": {s.name: {"alive": s.alive, "url": s.url, "version": s.version,
                                      "outstanding_tokens": s.outstanding_tokens, "lost": s.lost_reason}
                             for s in self.pool.servers},
+                "gen_busy_s": sum(s.busy_s for s in self.pool.servers), "n_servers": len(self.pool.servers),
                 "round_times": list(self.round_times[-8:]), "rounds": len(self.round_times),
                 "rounds_skipped": self.rounds_skipped, "fatal": self.fatal}
 

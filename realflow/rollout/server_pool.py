@@ -21,6 +21,8 @@ from typing import Any, Optional
 
 import aiohttp
 
+from realflow.rollout.gen_client import parse_prometheus
+
 __all__ = ["ServerState", "ServerPool", "NoServerError", "Completed"]
 
 logger = logging.getLogger("realflow.rollout.servers")
@@ -42,6 +44,7 @@ class ServerState:
     version: int = 0
     lost_reason: str = ""
     served: int = 0
+    busy_s: float = 0.0  # seconds the server spent stepping its engine (from its /metrics)
 
 
 @dataclass
@@ -113,12 +116,21 @@ class ServerPool:
             self.mark_lost(server, f"{type(e).__name__}: {e}")
             raise
 
+    async def call_text(self, server: ServerState, endpoint: str) -> str:
+        assert self.session is not None, "ServerPool.start() first"
+        async with self.session.get(server.url + endpoint, timeout=aiohttp.ClientTimeout(total=10.0)) as resp:
+            return await resp.text()
+
     async def check_health(self) -> None:
         """Probe every live server once; one that does not answer is marked lost."""
         async def probe(s: ServerState) -> None:
             try:
                 h = await self.call(s, "/health", timeout=10.0, method="GET")
                 s.version = int(h.get("weight_version", s.version))
+                m = parse_prometheus(await self.call_text(s, "/metrics"))
+                tps = m.get("realflow_gen_busy_tokens_per_second", 0.0)
+                if tps > 0:
+                    s.busy_s = m.get("realflow_gen_tokens_generated_total", 0.0) / tps
             except (aiohttp.ClientConnectionError, ConnectionError):
                 pass  # marked by call()
             except (asyncio.TimeoutError, RuntimeError) as e:

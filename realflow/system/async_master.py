@@ -43,6 +43,7 @@ class AsyncMaster(Master):
         self._last_counts: dict[str, Any] = {}
         self._t_last = 0.0
         self._tokens_last = 0
+        self._busy_last = 0.0
         self._trained = 0
         self._t_train0 = 0.0
 
@@ -70,6 +71,11 @@ class AsyncMaster(Master):
         out.update({
             "async/gen_tokens_per_s": (c["tokens_generated"] - self._tokens_last) / dt,
             "async/trained_samples_per_s": self.batch_size / dt,
+            # busy fractions: servers stepping their engines (from their metrics, probed every
+            # health interval), and the trainer running MFCs, over the step's wall time
+            "async/gen_busy_frac": (c["gen_busy_s"] - self._busy_last) / (dt * max(c["n_servers"], 1)),
+            "async/train_busy_frac": sum(v for k, v in stats.items()
+                                         if k.startswith("time/") and k not in ("time/step", "time/fetch")) / dt,
             "async/trained_samples_per_s_cum": self._trained / max(now - self._t_train0, 1e-9),
             "async/admitted": float(sum(c["admitted"].values())),
             "async/refused": float(c["refused"]),
@@ -79,7 +85,7 @@ class AsyncMaster(Master):
             "async/weight_update_s": c["round_times"][-1] if c["round_times"] else 0.0,
             "async/weight_rounds": float(c["rounds"]),
         })
-        self._t_last, self._tokens_last = now, c["tokens_generated"]
+        self._t_last, self._tokens_last, self._busy_last = now, c["tokens_generated"], c["gen_busy_s"]
         return out
 
     def _after_training(self) -> dict[str, Any]:

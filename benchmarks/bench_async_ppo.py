@@ -1,0 +1,94 @@
+"""Asynchronous vs synchronous GRPO on the same 2 cores, task, model, hyper-parameters and samples.
+
+One command (``python benchmarks/bench_async_ppo.py``). Both runs start from the same SFT
+checkpoint (made first under ``--fileroot`` if absent) and train ``--steps`` steps of
+``--batch`` prompts with ``--n-samples`` answers each, through the real launchers:
+
+* synchronous: ``main_sync_ppo`` (its default layout: train ``d1t2``, generate ``d2``, weights
+  reallocated every step), the best synchronous configuration for 2 workers we have;
+* asynchronous: ``main_async_ppo`` with ``allocation=gen:d1+train:d1`` and ``--eta``.
+
+Printed for each: trained samples/s (prompts trained per second of training wall time:
+from the end of the first evaluation to the last step), the busy fraction of generation
+and of training, the reward curve (mean training reward per tenth of the run) and
+held-out pass@1 before/after; then the speed ratio (goal: >= 2x at equal final pass@1
+within seed noise). Extra ``key=value`` arguments go to both runs (e.g. a task's data set).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(app: str, fileroot: str, trial: str, args: list[str]) -> tuple[str, str]:
+    cmd = [sys.executable, "-m", f"realflow.apps.{app}", f"fileroot={fileroot}", f"trial_name={trial}", *args]
+    print("$", " ".join(cmd[1:]), flush=True)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=7200)
+    if res.returncode != 0:
+        raise SystemExit(f"{app} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+    return res.stdout, res.stderr
+
+
+def _summary(stdout: str, run_dir: str) -> dict[str, Any]:
+    with open(os.path.join(run_dir, "stats.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    steps = [r for r in rows if "actor_train/reward" in r]
+    t0 = next(r["time"] for r in rows if r["step"] == 0)
+    wall = steps[-1]["time"] - t0
+    m = re.search(r"held-out sampled_accuracy: ([\d.]+) -> ([\d.]+)", stdout)
+    gen = sum(r.get("time/actor_gen", 0.0) for r in steps)
+    train = sum(v for r in steps for k, v in r.items()
+                if k.startswith("time/") and k not in ("time/step", "time/fetch", "time/actor_gen",
+                                                       "time/reward_inf"))
+    if "async/gen_busy_frac" in steps[0]:  # the servers' own busy time, per step
+        gen = sum(r["async/gen_busy_frac"] * (r["time"] - p["time"]) for p, r in zip([rows[0], *steps], steps))
+    tenth = max(1, len(steps) // 10)
+    curve = [sum(r["actor_train/reward"] for r in steps[i:i + tenth]) / len(steps[i:i + tenth])
+             for i in range(0, len(steps), tenth)]
+    return {"wall": wall, "steps": len(steps), "gen_busy": gen / wall, "train_busy": train / wall, "curve": curve,
+            "pass1": (float(m.group(1)), float(m.group(2))) if m else (float("nan"), float("nan"))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--n-samples", type=int, default=8)
+    ap.add_argument("--eta", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fileroot", default=None, help="default: a temporary directory (SFT included)")
+    a, extra = ap.parse_known_args()
+    tmp = None
+    if a.fileroot is None:
+        tmp = tempfile.TemporaryDirectory(prefix="bench_async_")
+        a.fileroot = tmp.name
+    common = [f"max_train_steps={a.steps}", f"batch_size={a.batch}", f"ppo.n_samples={a.n_samples}",
+              f"seed={a.seed}", *extra]
+    out_s, _ = _run("main_sync_ppo", a.fileroot, "bench-sync", common)
+    out_a, _ = _run("main_async_ppo", a.fileroot, "bench-async",
+                    common + ["allocation=gen:d1+train:d1", f"rollout.max_head_offpolicyness={a.eta}"])
+    res = {"sync": _summary(out_s, os.path.join(a.fileroot, "grpo-math", "bench-sync")),
+           "async": _summary(out_a, os.path.join(a.fileroot, "async-grpo-math", "bench-async"))}
+    samples = a.steps * a.batch
+    for name, r in res.items():
+        r["sps"] = samples / r["wall"]
+        print(f"{name:5s}: {r['sps']:.1f} trained samples/s ({samples} in {r['wall']:.0f}s); busy: generation "
+              f"{r['gen_busy']:.0%}, training {r['train_busy']:.0%}; held-out pass@1 {r['pass1'][0]:.3f} -> "
+              f"{r['pass1'][1]:.3f}")
+        print(f"       reward per tenth of the run: {' '.join(f'{x:.3f}' for x in r['curve'])}")
+    print(f"speed: async / sync = {res['async']['sps'] / res['sync']['sps']:.2f}x trained samples/s (goal >= 2x); "
+          f"final pass@1 async - sync = {res['async']['pass1'][1] - res['sync']['pass1'][1]:+.3f}")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -186,6 +186,37 @@ def test_pause_retract_update_tensor_continue(client, models):
     client.update_weights_from_disk(pa)
 
 
+def test_stage_while_generating_then_commit(client, models):
+    """Staged weights are built while the server generates (no pause); the commit swaps them
+    in: each answer's tokens are A's up to the commit and B's after, with B's log-probs."""
+    (pa, ma), (_, mb) = models["a"], models["b"]
+    assert client.health()["weight_staging"] is True
+    v_a = client.health()["weight_version"]
+    with GenerationClient(client.base_url) as c2:
+        t, box = _background_batch(c2)
+        r = client.update_weights_from_tensors(dict(mb.state_dict()), weight_version=v_a + 3, stage=True)
+        assert r["staged_version"] == v_a + 3 and client.health()["weight_version"] == v_a
+        with pytest.raises(GenerationServerError, match="version .* is staged"):
+            client.commit_staged_weights(v_a + 4)
+        assert client.commit_staged_weights(v_a + 3)["weight_version"] == v_a + 3
+        t.join(120)
+    spans = 0
+    for i, r in enumerate(box["res"]):
+        vs = r["meta_info"]["output_token_weight_versions"]
+        assert len(r["output_ids"]) == 200 and vs == sorted(vs) and set(vs) <= {v_a, v_a + 3}
+        k = vs.count(v_a)
+        if 0 < k < len(vs):
+            spans += 1
+            prompt = [3 + i, 9]
+            lps = [x[0] for x in r["meta_info"]["output_token_logprobs"]]
+            check_logprobs(ma, prompt, r["output_ids"], lps, hi=k)
+            check_logprobs(mb, prompt, r["output_ids"], lps, lo=k)
+    assert spans > 0, "no sequence was running at the commit"
+    with pytest.raises(GenerationServerError, match="nothing is staged"):
+        client.commit_staged_weights()
+    client.update_weights_from_disk(pa)
+
+
 def test_bad_requests_get_4xx(client, server):
     url = server[0]
     bad_before = client.metrics()["realflow_gen_bad_requests_total"]
@@ -208,6 +239,9 @@ def test_bad_requests_get_4xx(client, server):
         ("/update_weights_from_tensor", {"shm_handle": {"segment": "../x", "size": 1, "tensors": {}}}, "handle"),
         ("/update_weights_from_tensor", {"shm_handle": {"segment": None, "size": 0, "tensors": {}},
                                          "format": "onnx"}, "format"),
+        ("/update_weights_from_tensor", {"shm_handle": {"segment": None, "size": 0, "tensors": {}},
+                                         "stage": "yes"}, "stage"),
+        ("/commit_staged_weights", {"weight_version": "x"}, "weight_version"),
         ("/abort_request", {}, "rid"),
         ("/no_such_endpoint", {}, "Not Found"),
     ]

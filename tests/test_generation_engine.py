@@ -245,7 +245,7 @@ def test_retract_continue_under_new_weights(ckpts):
 
 
 def test_abort_then_resubmit_prefix(ckpts):
-    (pa, ma), (pb, mb) = ckpts["qwen2"], ckpts["qwen2_b"]
+    (pa, ma), (_, mb) = ckpts["qwen2"], ckpts["qwen2_b"]
     eng = _engine(pa)
     p = PROMPTS[4]
     eng.add_request("z", p, greedy(20))
@@ -293,6 +293,55 @@ def test_weight_update_errors_leave_engine_intact(ckpts):
     assert eng.generate([PROMPTS[2]], greedy(8))[0].output_ids == hf_greedy(mb, PROMPTS[2], 8)
     eng.flush_cache()
     assert eng.generate([PROMPTS[2]], greedy(8))[0].output_ids == hf_greedy(mb, PROMPTS[2], 8)
+
+
+def test_staged_update_generation_goes_on_then_swaps(ckpts):
+    """Staging builds B beside A while A keeps generating (from another thread, as the gen
+    server does); the commit swaps B in and retracts: tokens before it are A's, after B's."""
+    import threading
+
+    (pa, ma), (pb, mb) = ckpts["qwen2"], ckpts["qwen2_b"]
+    eng = _engine(pa)
+    with pytest.raises(ValueError, match="nothing is staged"):
+        eng.commit_staged_weights()
+    p = PROMPTS[3]
+    eng.add_request("s", p, greedy(14))
+    for _ in range(3):
+        eng.step()
+    sd = {k: v.clone() for k, v in mb.state_dict().items()}
+    bad = dict(sd, **{"model.layers.0.mlp.up_proj.weight": torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match="up_proj"):
+        eng.stage_weights_from_tensors(bad, version=3)
+    stager = threading.Thread(target=eng.stage_weights_from_tensors, args=(sd, "hf", 3))
+    stager.start()
+    for _ in range(2):  # the engine keeps stepping on A meanwhile
+        eng.step()
+    stager.join()
+    eng.step()
+    for t in sd.values():  # the staged weights own their memory: the update may be freed
+        t.zero_()
+    with pytest.raises(ValueError, match="version 3 is staged, not 4"):
+        eng.commit_staged_weights(4)
+    assert eng.weight_version == 0 and eng.commit_staged_weights(3) == 3
+    res = []
+    while eng.has_work():
+        res += eng.step()
+    r = res[0]
+    assert r.output_versions == [0] * 6 + [3] * 8
+    assert r.output_ids[:6] == hf_greedy(ma, p, 6)
+    assert r.output_ids[6:] == hf_greedy(mb, p + r.output_ids[:6], 8)
+    assert_logprobs(ma, r, end=6)
+    assert_logprobs(mb, r, start=6)
+    # a partial staged update keeps every other entry of the weights in use
+    from parallel.generation.weights import mcore_from_hf_tensors
+
+    la = mcore_from_hf_tensors(eng.spec, eng.hf_config, dict(ma.state_dict()))
+    name = "decoder.layers.1.mlp.linear_fc2.weight"
+    assert eng.stage_weights_from_tensors({name: la[name]}, fmt="megatron") == 4
+    eng.commit_staged_weights()
+    for k, v in eng.weights.tensors.items():
+        want = la[k] if k == name else mcore_from_hf_tensors(eng.spec, eng.hf_config, dict(mb.state_dict()))[k]
+        assert torch.equal(v, want), k
 
 
 @pytest.mark.parametrize("field,value,match", [

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from experiments.tasks import worked_arithmetic
 from experiments.tasks.arithmetic import ensure_dataset
 from experiments.tasks.tokenizer import ensure_tokenizer
 from mfc.math_reward import verify_answer
@@ -50,9 +51,14 @@ from realflow.api.dataset import PromptAnswerDataset, SFTDataset
 @dataclass
 class Recipe:
     """Defaults: the recipe chosen for the default SFT job (numbers in the module doc)."""
+    task: str = "arith"           # "arith" (experiments/tasks/arithmetic.py) or "worked" (worked_arithmetic.py)
     difficulty: int = 2
     style: str = "reverse"
     ops: str = "+-*"
+    max_steps: int = 8            # worked task: longest chain, term length, power-law exponent, line format
+    digits: int = 1
+    alpha: float = 1.5
+    wstyle: str = "op"
     n_train: int = 50_000
     n_test: int = 200
     data_seed: int = 0
@@ -68,6 +74,8 @@ class Recipe:
     steps: int = 600
     weight_decay: float = 0.01
     eval_every: int = 100         # steps; also evaluated at step 0 and at the end
+    max_new_tokens: int = 0       # greedy eval budget; 0 = 16 (arith) / 100 (worked)
+    group_len: int = 0            # >0: sort each run of this many batches by length (less padding)
     seed: int = 1
     threads: int = 1
     data_dir: str = "/tmp/realflow_feasibility"
@@ -110,29 +118,32 @@ def collate(batch, pad_id: int) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model, tok, test: PromptAnswerDataset, max_new_tokens: int = 16) -> dict:
+def evaluate(model, tok, test: PromptAnswerDataset, max_new_tokens: int = 16, chunk: int = 256) -> dict:
     """Greedy decoding of every held-out prompt; exact match via the math reward."""
     model.eval()
-    prompts = [s.prompt_ids for s in test]
-    n = max(map(len, prompts))
-    ids = torch.tensor([[tok.pad_token_id] * (n - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    texts = tok.batch_decode(out[:, n:], skip_special_tokens=True)
+    samples, texts = list(test), []
+    for i in range(0, len(samples), chunk):
+        prompts = [s.prompt_ids for s in samples[i:i + chunk]]
+        n = max(map(len, prompts))
+        ids = torch.tensor([[tok.pad_token_id] * (n - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in prompts])
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        texts += tok.batch_decode(out[:, n:], skip_special_tokens=True)
     by_cat: dict[str, list[float]] = defaultdict(list)
     rewards = []
-    for s, text in zip(test, texts):
+    for s, text in zip(samples, texts):
         rew = verify_answer(text, s.answer, allow_last_number=False).reward
         rewards.append(rew)
-        by_cat[f"{s.meta.get('op')}{s.meta.get('digits')}"].append(rew)
+        cat = f"k{s.meta['steps']:02d}" if "steps" in s.meta else f"{s.meta.get('op')}{s.meta.get('digits')}"
+        by_cat[cat].append(rew)
     model.train()
     return {"acc": sum(rewards) / len(rewards),
             "by_cat": {k: round(sum(v) / len(v), 3) for k, v in sorted(by_cat.items())},
             "sample": texts[:3]}
 
 
-def save_and_check(model, tok, test: PromptAnswerDataset, path: str, acc: float) -> None:
+def save_and_check(model, tok, test: PromptAnswerDataset, path: str, acc: float, max_new_tokens: int) -> None:
     """Save model + tokenizer as a Hugging Face checkpoint, reload both with the
     Auto* classes and require the same greedy accuracy (what later stages rely on)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -140,7 +151,7 @@ def save_and_check(model, tok, test: PromptAnswerDataset, path: str, acc: float)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     reloaded = AutoModelForCausalLM.from_pretrained(path)
-    acc2 = evaluate(reloaded, AutoTokenizer.from_pretrained(path), test)["acc"]
+    acc2 = evaluate(reloaded, AutoTokenizer.from_pretrained(path), test, max_new_tokens)["acc"]
     print(f"saved {path}: reloaded accuracy {acc2:.3f} (in memory {acc:.3f})", flush=True)
     if abs(acc2 - acc) > 1e-9:
         raise RuntimeError(f"reloaded checkpoint {path} scores {acc2}, expected {acc}")
@@ -150,11 +161,47 @@ def prepare(r: Recipe):
     """Data set and tokenizer (cached on disk; call once before starting ranks)."""
     from transformers import AutoTokenizer
 
-    name = f"arith-d{r.difficulty}-{r.style}-{r.ops.replace('*', 'x')}-s{r.data_seed}-n{r.n_train}"
-    data = ensure_dataset(os.path.join(r.data_dir, name), r.n_train, r.n_test, r.data_seed,
-                          r.difficulty, r.ops, r.style)
+    if r.task == "worked":
+        name = (f"worked-k{r.max_steps}-d{r.digits}-a{r.alpha:g}-{r.wstyle}-s{r.data_seed}-n{r.n_train}"
+                f"-t{r.n_test}")
+        data = worked_arithmetic.ensure_dataset(os.path.join(r.data_dir, name), r.n_train, r.n_test,
+                                                r.data_seed, r.max_steps, r.digits, r.alpha, r.wstyle)
+    elif r.task == "arith":
+        name = f"arith-d{r.difficulty}-{r.style}-{r.ops.replace('*', 'x')}-s{r.data_seed}-n{r.n_train}"
+        data = ensure_dataset(os.path.join(r.data_dir, name), r.n_train, r.n_test, r.data_seed,
+                              r.difficulty, r.ops, r.style)
+    else:
+        raise ValueError(f"unknown task {r.task!r} (arith, worked)")
     tok_dir = ensure_tokenizer(os.path.join(r.data_dir, name, "tokenizer"), [data.train])
     return data, AutoTokenizer.from_pretrained(tok_dir)
+
+
+def response_lengths(tok, path: str) -> dict:
+    """p50/p90/p99/max of the reference solutions' lengths in task tokens (without EOS)."""
+    with open(path) as f:
+        sols = [json.loads(line)["solution"] for line in f]
+    n = sorted(len(x) for x in tok(sols, add_special_tokens=False)["input_ids"])
+    q = {f"p{int(p * 100)}": n[min(len(n) - 1, int(p * len(n)))] for p in (0.5, 0.9, 0.99)}
+    return {**q, "max": n[-1], "mean": round(sum(n) / len(n), 1), "p99/p50": round(q["p99"] / q["p50"], 2)}
+
+
+def _batches(ds, batch_size: int, epoch: int, group: int):
+    """``ds.iter_batches`` (shuffled); with ``group`` > 0, each run of ``group`` batches is
+    re-cut by length and the resulting batches shuffled (like packing: little padding)."""
+    if group <= 0:
+        yield from ds.iter_batches(batch_size, epoch, drop_last=True)
+        return
+    import random
+    rng = random.Random(f"group:{epoch}")
+    buf = []
+    for b in ds.iter_batches(batch_size, epoch, drop_last=True):
+        buf += b
+        if len(buf) >= group * batch_size:
+            buf.sort(key=lambda s: len(s.input_ids))
+            chunks = [buf[i:i + batch_size] for i in range(0, len(buf), batch_size)]
+            rng.shuffle(chunks)
+            yield from chunks
+            buf = []
 
 
 def run(r: Recipe, rank: int = 0, world: int = 1) -> dict | None:
@@ -162,9 +209,11 @@ def run(r: Recipe, rank: int = 0, world: int = 1) -> dict | None:
     returns the summary. ``batch_size`` is the global batch."""
     torch.set_num_threads(r.threads)
     data, tok = prepare(r)
-    train = SFTDataset.load(data.train, tok, max_prompt_len=32, max_seq_len=48, seed=r.seed)
+    max_prompt, max_seq = (64, 128) if r.task == "worked" else (32, 48)
+    max_new = r.max_new_tokens or (100 if r.task == "worked" else 16)
+    train = SFTDataset.load(data.train, tok, max_prompt_len=max_prompt, max_seq_len=max_seq, seed=r.seed)
     train_shard = train.shard(rank, world, even=True)
-    test = PromptAnswerDataset.load(data.test, tok, max_prompt_len=32)
+    test = PromptAnswerDataset.load(data.test, tok, max_prompt_len=max_prompt)
     model = build_model(r, len(tok), tok)
     net = model
     if world > 1:
@@ -175,8 +224,8 @@ def run(r: Recipe, rank: int = 0, world: int = 1) -> dict | None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": r.weight_decay},
                              {"params": other, "weight_decay": 0.0}], lr=r.lr, betas=(0.9, 0.98))
     if rank == 0:
-        print(f"params={n_params} vocab={len(tok)} world={world} train={train.report} test={len(test)}",
-              flush=True)
+        print(f"params={n_params} vocab={len(tok)} world={world} train={train.report} test={len(test)} "
+              f"response_len={response_lengths(tok, data.test)}", flush=True)
 
     history, step, epoch, train_s, tokens, padded = [], 0, 0, 0.0, 0, 0
     t_start = time.perf_counter()
@@ -184,7 +233,7 @@ def run(r: Recipe, rank: int = 0, world: int = 1) -> dict | None:
     def log_eval(loss: float) -> None:
         if rank == 0:
             t = time.perf_counter()
-            ev = evaluate(model, tok, test)
+            ev = evaluate(model, tok, test, max_new)
             row = {"step": step, "train_s": round(train_s, 1), "wall_s": round(time.perf_counter() - t_start, 1),
                    "loss": round(loss, 4), "acc": ev["acc"], "eval_s": round(time.perf_counter() - t, 2),
                    "tok_per_s": round(tokens * world / train_s) if train_s else None}
@@ -196,7 +245,7 @@ def run(r: Recipe, rank: int = 0, world: int = 1) -> dict | None:
     log_eval(float("nan"))
     loss_ema = float("nan")
     while step < r.steps:
-        for batch in train_shard.iter_batches(r.batch_size // world, epoch, drop_last=True):
+        for batch in _batches(train_shard, r.batch_size // world, epoch, r.group_len):
             t = time.perf_counter()
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, r)
@@ -219,10 +268,10 @@ def run(r: Recipe, rank: int = 0, world: int = 1) -> dict | None:
     if rank != 0:
         return None
     if r.save_dir:
-        save_and_check(model, tok, test, r.save_dir, history[-1]["acc"])
+        save_and_check(model, tok, test, r.save_dir, history[-1]["acc"], max_new)
     return {"recipe": asdict(r), "world": world, "params": n_params, "train_s": round(train_s, 1),
             "tokens": tokens * world, "tok_per_s": round(tokens * world / train_s),
-            "pad_frac": round(1 - tokens / padded, 3), "epochs": round(step * r.batch_size / len(train), 2),
+            "pad_frac": round(1 - tokens / padded, 3), "response_len": response_lengths(tok, data.test), "epochs": round(step * r.batch_size / len(train), 2),
             "history": history}
 
 

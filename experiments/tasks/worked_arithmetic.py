@@ -74,11 +74,23 @@ class WorkedProblem:
     def prompt(self) -> str:
         return str(self.terms[0]) + "".join(f"{op}{t}" for op, t in zip(self.ops, self.terms[1:])) + "="
 
-    def solution(self) -> str:
+    def solution(self, style: str = "op") -> str:
         """One line per step -- the operation, then the running result with its digits
         reversed -- then the GSM8K final line: ``12+7-5=`` -> ``+7=91\\n-5=41\\n#### 14``."""
-        lines = [f"{op}{t}={str(r)[::-1]}"
-                 for op, t, r in zip(self.ops, self.terms[1:], self.running())]
+        run = self.running()
+        accs = [self.terms[0]] + run[:-1]
+        R = lambda x: str(x)[::-1]
+        if style == "op":
+            lines = [f"{op}{t}={R(r)}" for op, t, r in zip(self.ops, self.terms[1:], run)]
+        elif style == "full":
+            lines = [f"{R(a)}{op}{R(t)}={R(r)}" for a, op, t, r in zip(accs, self.ops, self.terms[1:], run)]
+        elif style == "fullfwd":
+            lines = [f"{a}{op}{t}={r}" for a, op, t, r in zip(accs, self.ops, self.terms[1:], run)]
+        elif style == "rest":
+            lines = [R(r) + "".join(f"{op}{t}" for op, t in zip(self.ops[i + 1:], self.terms[i + 2:]))
+                     for i, r in enumerate(run)]
+        else:
+            raise ValueError(f"unknown style {style!r}")
         return "\n".join(lines + [f"#### {self.result}"])
 
 
@@ -114,7 +126,7 @@ def _cumulative(weights: list[float]) -> list[float]:
 
 
 def _draw_rows(rng: random.Random, n: int, prefix: str, max_steps: int, digits: int, alpha: float,
-               exclude: set[str], unique: bool) -> list[dict]:
+               exclude: set[str], unique: bool, style: str = "op") -> list[dict]:
     """``n`` rows drawn i.i.d., skipping prompts in ``exclude`` (and, if ``unique``,
     repeats). Train rows may repeat: one-step problems are few and common, and
     dropping repeats would skew the train mix of lengths away from the test split's."""
@@ -135,7 +147,7 @@ def _draw_rows(rng: random.Random, n: int, prefix: str, max_steps: int, digits: 
         if unique:
             seen.add(p.prompt)
         rows.append({"id": f"{prefix}-{len(rows):06d}", "prompt": p.prompt, "answer": str(p.result),
-                     "solution": p.solution(), "steps": p.steps})
+                     "solution": p.solution(style), "steps": p.steps})
     return rows
 
 
@@ -148,7 +160,7 @@ def _check_args(n_train: int, n_test: int, max_steps: int, digits: int, alpha: f
 
 
 def generate_splits(n_train: int, n_test: int, seed: int, max_steps: int = MAX_STEPS,
-                    digits: int = DIGITS, alpha: float = ALPHA) -> tuple[list[dict], list[dict]]:
+                    digits: int = DIGITS, alpha: float = ALPHA, style: str = "op") -> tuple[list[dict], list[dict]]:
     """Train and held-out test rows, disjoint by prompt, fully determined by the arguments.
 
     ``max_steps`` caps the chain (the tail's length), ``alpha`` sets how fast long
@@ -158,15 +170,15 @@ def generate_splits(n_train: int, n_test: int, seed: int, max_steps: int = MAX_S
     """
     _check_args(n_train, n_test, max_steps, digits, alpha)
     test = _draw_rows(random.Random(f"worked-arith-test:{seed}"), n_test, "test", max_steps, digits,
-                      alpha, set(), unique=True)
+                      alpha, set(), unique=True, style=style)
     train = _draw_rows(random.Random(f"worked-arith-train:{seed}"), n_train, "train", max_steps, digits,
-                       alpha, {r["prompt"] for r in test}, unique=False)
+                       alpha, {r["prompt"] for r in test}, unique=False, style=style)
     return train, test
 
 
 def ensure_dataset(out_dir: str | os.PathLike, n_train: int, n_test: int, seed: int,
                    max_steps: int = MAX_STEPS, digits: int = DIGITS,
-                   alpha: float = ALPHA) -> ArithmeticDataset:
+                   alpha: float = ALPHA, style: str = "op") -> ArithmeticDataset:
     """Write ``train.jsonl`` / ``test.jsonl`` under ``out_dir`` unless the recorded
     manifest says identical files are already there (same parameters, same hashes).
 
@@ -176,9 +188,9 @@ def ensure_dataset(out_dir: str | os.PathLike, n_train: int, n_test: int, seed: 
     _check_args(n_train, n_test, max_steps, digits, alpha)
     params = {"generator": "worked_arithmetic", "version": GENERATOR_VERSION, "n_train": n_train,
               "n_test": n_test, "seed": seed, "max_steps": max_steps, "digits": digits,
-              "alpha": float(alpha)}
+              "alpha": float(alpha), "style": style}
     return write_splits_once(out_dir, params,
-                             lambda: generate_splits(n_train, n_test, seed, max_steps, digits, alpha))
+                             lambda: generate_splits(n_train, n_test, seed, max_steps, digits, alpha, style))
 
 
 __all__ = ["WorkedProblem", "sample_problem", "step_weights", "generate_splits", "ensure_dataset",

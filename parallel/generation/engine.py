@@ -139,6 +139,7 @@ class GenerationEngine:
         self.tokens_generated = 0
         self.steps = 0
         self.busy_seconds = 0.0
+        self._staged: Optional[tuple[int, DecoderWeights]] = None  # see stage_weights_from_tensors
 
     # ------------------------------------------------------------ construction
 
@@ -278,15 +279,64 @@ class GenerationEngine:
         """In-place update from HF-named FULL tensors (``fmt="hf"``, any subset of whole
         entries) or this rank's megatron-named local tensors (``fmt="megatron"``).
         Validated completely before anything is written.  Returns the new version."""
-        if fmt == "hf":
-            local = mcore_from_hf_tensors(self.spec, self.hf_config, tensors, partial=True)
-        elif fmt == "megatron":
-            local = dict(tensors)
-        else:
-            raise ValueError(f"weight format {fmt!r}: expected 'hf' or 'megatron'")
+        local = self._to_local(tensors, fmt)
         self.weights.check_update(local)
         self.weights.copy_(local)
         return self.weights_updated(version)
+
+    def stage_weights_from_tensors(self, tensors: Mapping[str, torch.Tensor], fmt: str = "hf",
+                                   version: Optional[int] = None) -> int:
+        """Build the next weights BESIDE the ones in use; :meth:`commit_staged_weights` swaps them in.
+
+        Why: an in-place update stops generation for the whole conversion, copy and
+        (on CPU) re-transposition of every weight -- ~0.4 s for a 100M model on one
+        thread.  Staging does that work while the engine keeps stepping on the old
+        weights (from another thread: it only reads the update and ``spec``), so the
+        pause of a weight-update round shrinks to a pointer swap.  Costs one more copy
+        of the weights until the commit.  ``tensors`` may alias shared memory: they
+        are copied (the staged weights own their memory).  A partial update keeps the
+        current values of the entries it does not name.  Returns the staged version.
+        """
+        local = self._to_local(tensors, fmt)
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise ValueError(f"weight_version={version!r}: must be an integer")
+        self.weights.check_update(local)
+        # copy what still aliases the update (or the weights in use); fused entries are fresh already
+        borrowed = {t.untyped_storage().data_ptr() for t in tensors.values()}
+        borrowed |= {t.untyped_storage().data_ptr() for t in self.weights.tensors.values()}
+        fresh: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, cur in self.weights.tensors.items():
+                t = local.get(name, cur).to(self.weights.dtype)
+                if t.untyped_storage().data_ptr() in borrowed or not t.is_contiguous():
+                    t = t.clone(memory_format=torch.contiguous_format)
+                fresh[name] = t
+        staged = DecoderWeights(self.spec, fresh)
+        v = self.version + 1 if version is None else int(version)
+        self._staged = (v, staged)
+        return v
+
+    def commit_staged_weights(self, version: Optional[int] = None) -> int:
+        """Swap in the weights staged by :meth:`stage_weights_from_tensors` (of ``version``,
+        if given): running requests are retracted as for any update."""
+        if self._staged is None:
+            raise ValueError("commit_staged_weights: nothing is staged")
+        v, staged = self._staged
+        if version is not None and version != v:
+            raise ValueError(f"commit_staged_weights: version {v} is staged, not {version}")
+        self._staged = None
+        self.weights = staged
+        self.decoder.w = staged
+        self._retract()
+        self.version = v
+        return v
+
+    def _to_local(self, tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+        if fmt == "hf":
+            return mcore_from_hf_tensors(self.spec, self.hf_config, tensors, partial=True)
+        if fmt == "megatron":
+            return dict(tensors)
+        raise ValueError(f"weight format {fmt!r}: expected 'hf' or 'megatron'")
 
     def update_weights_from_disk(self, model_path: str, version: Optional[int] = None) -> int:
         """In-place update from an HF checkpoint directory (same architecture)."""

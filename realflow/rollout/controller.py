@@ -40,7 +40,7 @@ from aiohttp import web
 
 from realflow.api.rollout import RolloutSpec
 from realflow.comm import shm
-from realflow.rollout.server_pool import NoServerError, ServerPool
+from realflow.rollout.server_pool import NoServerError, ServerPool, ServerState
 
 __all__ = ["RolloutController", "build_controller_app"]
 
@@ -87,6 +87,7 @@ class RolloutController:
         self._pending_round: Optional[_Round] = None
         self._round_wakeup: Optional[asyncio.Event] = None
         self.round_times: list[float] = []
+        self.stall_times: list[float] = []  # pause -> continue of each round
         self.rounds_skipped = 0
         self._tasks: list[asyncio.Task] = []
         self._seq = 0
@@ -97,6 +98,7 @@ class RolloutController:
         self._changed = asyncio.Condition()
         self._round_wakeup = asyncio.Event()
         await self.pool.start()
+        await self.pool.check_health()  # learn the versions and who can stage weights before round 1
         self._tasks = [asyncio.create_task(self._health_loop(), name="health"),
                        asyncio.create_task(self._round_loop(), name="weight-rounds")]
 
@@ -161,6 +163,7 @@ class RolloutController:
                             for s in self.pool.servers},
                 "gen_busy_s": sum(s.busy_s for s in self.pool.servers), "n_servers": len(self.pool.servers),
                 "round_times": list(self.round_times[-8:]), "rounds": len(self.round_times),
+                "stall_times": list(self.stall_times[-8:]),
                 "rounds_skipped": self.rounds_skipped, "fatal": self.fatal}
 
     # ------------------------------------------------------------ weight-update rounds
@@ -200,25 +203,43 @@ class RolloutController:
                     shm.release(r.handle)
 
     async def _run_round(self, r: _Round) -> None:
+        """Stage (in memory, on servers that can: generation goes on) -> pause -> update
+        (a pointer swap where staged) -> continue. ``round_times`` holds the whole round,
+        ``stall_times`` the pause -> continue part: how long generation stopped."""
         t0 = time.perf_counter()
         mode = "abort" if self.spec.interrupt_mode == "abort" else "retract"
-        await self.pool.broadcast("/pause_generation", {"mode": mode})
+        staged: list[ServerState] = []
         if r.handle is not None:
             body = {"shm_handle": r.handle, "format": "hf", "weight_version": r.version, "unlink": False}
-            res = await self.pool.broadcast("/update_weights_from_tensor", body, timeout=600.0)
-        else:
+            stagers = [s for s in self.pool.alive() if s.can_stage]
+            if stagers:
+                res = await self.pool.broadcast("/update_weights_from_tensor", dict(body, stage=True),
+                                                timeout=600.0, only=stagers)
+                staged = [s for s in stagers if isinstance(res.get(s.name), dict)]
+        t_pause = time.perf_counter()
+        await self.pool.broadcast("/pause_generation", {"mode": mode})
+        res = {}
+        if staged:
+            res.update(await self.pool.broadcast("/commit_staged_weights", {"weight_version": r.version},
+                                                 timeout=60.0, only=staged))
+        rest = [s for s in self.pool.alive() if all(s is not t for t in staged)]
+        if rest and r.handle is not None:
+            res.update(await self.pool.broadcast("/update_weights_from_tensor", body, timeout=600.0, only=rest))
+        elif rest:
             body = {"model_path": r.path, "weight_version": r.version}
-            res = await self.pool.broadcast("/update_weights_from_disk", body, timeout=600.0)
+            res.update(await self.pool.broadcast("/update_weights_from_disk", body, timeout=600.0, only=rest))
         for name, v in res.items():
             if isinstance(v, dict):
                 next(s for s in self.pool.servers if s.name == name).version = int(v["weight_version"])
         await self.pool.broadcast("/continue_generation", {})
         self.pool.pick()  # raises NoServerError naming every server when none survived the round
-        dt = time.perf_counter() - t0
-        self.round_times.append(dt)
+        t1 = time.perf_counter()
+        self.round_times.append(t1 - t0)
+        self.stall_times.append(t1 - t_pause)
         self.version = r.version
-        logger.info("weight-update round to version %d (%s, %s): %.3f s", r.version,
-                    "shared memory" if r.handle is not None else "disk", mode, dt)
+        logger.info("weight-update round to version %d (%s%s, %s): %.3f s, generation stopped %.3f s",
+                    r.version, "shared memory" if r.handle is not None else "disk",
+                    f", {len(staged)} staged" if staged else "", mode, t1 - t0, t1 - t_pause)
         if r.path is not None:
             _remove_older_checkpoints(r.path)
         await self._notify()

@@ -115,21 +115,29 @@ class GenerationClient:
 
     def update_weights_from_tensors(self, tensors: Mapping[str, Any], fmt: str = "hf",
                                     weight_version: Optional[int] = None,
-                                    timeout: Optional[float] = None) -> dict[str, Any]:
+                                    timeout: Optional[float] = None, stage: bool = False) -> dict[str, Any]:
         """Send ``tensors`` (HF names and full shapes for ``fmt="hf"``) through shared memory.
 
-        The server must be on this host.  If the call fails the segment is released here.
+        ``stage=True``: the server builds them beside its weights while it keeps generating;
+        :meth:`commit_staged_weights` swaps them in.  The server must be on this host.
+        If the call fails the segment is released here.
         """
         from realflow.comm.shm import put_tensors, release
 
         handle = put_tensors(dict(tensors))
         body: dict[str, Any] = {"shm_handle": handle, "format": fmt}
+        if stage:
+            body["stage"] = True
         if weight_version is not None:
             body["weight_version"] = weight_version
         try:
             return self._call("POST", "/update_weights_from_tensor", body, timeout)
         finally:
             release(handle)  # no-op when the server took it
+
+    def commit_staged_weights(self, weight_version: Optional[int] = None) -> dict[str, Any]:
+        body = {} if weight_version is None else {"weight_version": weight_version}
+        return self._call("POST", "/commit_staged_weights", body)
 
     def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
         return self._call("POST", "/pause_generation", {"mode": mode})

@@ -16,7 +16,10 @@ Endpoints (JSON in and out; bad input -> 4xx ``{"error": message}``):
 * ``POST /update_weights_from_tensor`` ``{shm_handle, format: hf|megatron,
   weight_version?, unlink?}``: the handle of :func:`realflow.comm.shm.put_tensors`
   (SGLang's own endpoint carries pickled tensors; no pickle here). ``unlink: false``
-  leaves the segment for other servers (the sender releases it).
+  leaves the segment for other servers (the sender releases it). ``stage: true``
+  (backends that say ``weight_staging`` in ``/health``) builds the new weights
+  beside the ones in use while generation goes on; ``POST /commit_staged_weights``
+  ``{weight_version}`` then swaps them in -- the controller's pause shrinks to that.
 * ``POST /pause_generation`` ``{mode}``: ``abort`` (default, as SGLang) ends
   running and queued requests now, each answering what it generated so far
   with finish type ``abort`` (the manager resubmits prompt + prefix);
@@ -215,6 +218,12 @@ def build_app(server: GenServer, api_key: Optional[str] = None) -> web.Applicati
         if not isinstance(unlink, bool):
             raise BadRequest(f"unlink must be a boolean, got {unlink!r}")
 
+        stage = body.get("stage", False)
+        if not isinstance(stage, bool):
+            raise BadRequest(f"stage must be a boolean, got {stage!r}")
+        if stage and not server.can_stage:
+            raise BadRequest("stage: this backend cannot stage weights (no stage_weights_from_tensors)")
+
         def work() -> int:
             from realflow.comm.shm import ShmError, take_tensors
 
@@ -222,6 +231,9 @@ def build_app(server: GenServer, api_key: Optional[str] = None) -> web.Applicati
                 tensors = take_tensors(handle, unlink=unlink)
             except ShmError as e:
                 raise BadRequest(str(e)) from None
+            if stage:  # no backend lock: generation goes on while the new weights are built
+                with server.stage_lock:
+                    return server.backend.stage_weights_from_tensors(tensors, fmt, version)
             with server.lock:
                 return server.backend.update_weights_from_tensors(tensors, fmt, version)
 
@@ -229,8 +241,26 @@ def build_app(server: GenServer, api_key: Optional[str] = None) -> web.Applicati
             v = await asyncio.to_thread(work)
         except (ValueError, KeyError) as e:
             raise BadRequest(f"update_weights_from_tensor: {e}") from None
+        if stage:
+            return web.json_response({"success": True, "message": "staged", "staged_version": v})
         server.wake.set()
         return web.json_response({"success": True, "message": "updated", "weight_version": v})
+
+    async def commit_staged(request: web.Request) -> web.Response:
+        body = await _json(request)
+        version = _version(body)
+        if not server.can_stage:
+            raise BadRequest("commit_staged_weights: this backend cannot stage weights")
+
+        def work() -> int:
+            with server.stage_lock, server.lock:
+                return server.backend.commit_staged_weights(version)
+        try:
+            v = await asyncio.to_thread(work)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        server.wake.set()
+        return web.json_response({"success": True, "message": "committed", "weight_version": v})
 
     async def pause(request: web.Request) -> web.Response:
         body = await _json(request) if request.can_read_body else {}
@@ -260,7 +290,8 @@ def build_app(server: GenServer, api_key: Optional[str] = None) -> web.Applicati
     async def health(request: web.Request) -> web.Response:
         alive = server.thread.is_alive()
         body = {"status": "ok" if alive else "dead", "paused": server.paused,
-                "weight_version": server.backend.weight_version, "last_step_error": server.step_error}
+                "weight_version": server.backend.weight_version, "last_step_error": server.step_error,
+                "weight_staging": server.can_stage}
         return web.json_response(body, status=200 if alive else 503)
 
     async def model_info(request: web.Request) -> web.Response:
@@ -282,6 +313,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None) -> web.Applicati
         web.post("/generate", generate),
         web.post("/update_weights_from_disk", update_from_disk),
         web.post("/update_weights_from_tensor", update_from_tensor),
+        web.post("/commit_staged_weights", commit_staged),
         web.post("/pause_generation", pause),
         web.post("/continue_generation", resume),
         web.post("/flush_cache", flush),

@@ -131,6 +131,9 @@ class GenServer:
         self.backend = backend
         self.model_path = model_path
         self.lock = _BackendLock()  # serialises every backend call (see _BackendLock)
+        # staging builds new weights beside the backend's (no backend lock): one at a time
+        self.stage_lock = threading.Lock()
+        self.can_stage = callable(getattr(backend, "stage_weights_from_tensors", None))
         self._plock = threading.Lock()  # guards self.pending and result delivery
         self.wake = threading.Event()
         self.stopping = threading.Event()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import aiohttp
 
@@ -45,6 +45,7 @@ class ServerState:
     lost_reason: str = ""
     served: int = 0
     busy_s: float = 0.0  # seconds the server spent stepping its engine (from its /metrics)
+    can_stage: bool = False  # its /health says weight_staging (see the controller's rounds)
 
 
 @dataclass
@@ -127,6 +128,7 @@ class ServerPool:
             try:
                 h = await self.call(s, "/health", timeout=10.0, method="GET")
                 s.version = int(h.get("weight_version", s.version))
+                s.can_stage = h.get("weight_staging") is True
                 m = parse_prometheus(await self.call_text(s, "/metrics"))
                 tps = m.get("realflow_gen_busy_tokens_per_second", 0.0)
                 if tps > 0:
@@ -137,10 +139,12 @@ class ServerPool:
                 self.mark_lost(s, f"health check failed: {type(e).__name__}: {e}")
         await asyncio.gather(*(probe(s) for s in self.alive()))
 
-    async def broadcast(self, endpoint: str, body: Optional[dict] = None, timeout: Optional[float] = None
-                        ) -> dict[str, Any]:
-        """The same call on every live server, concurrently; a server that fails is marked lost."""
-        live = self.alive()
+    async def broadcast(self, endpoint: str, body: Optional[dict] = None, timeout: Optional[float] = None,
+                        only: Optional[Sequence[ServerState]] = None) -> dict[str, Any]:
+        """The same call on every live server (of ``only``, if given), concurrently; a server
+        that fails is marked lost."""
+        chosen = None if only is None else {id(s) for s in only}
+        live = [s for s in self.alive() if chosen is None or id(s) in chosen]
 
         async def one(s: ServerState) -> Any:
             try:

@@ -83,6 +83,7 @@ class AsyncMaster(Master):
             "async/running": float(c["running"]),
             "async/failovers": float(c["failovers"]),
             "async/weight_update_s": c["round_times"][-1] if c["round_times"] else 0.0,
+            "async/gen_stall_s": c["stall_times"][-1] if c.get("stall_times") else 0.0,
             "async/weight_rounds": float(c["rounds"]),
         })
         self._t_last, self._tokens_last, self._busy_last = now, c["tokens_generated"], c["gen_busy_s"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from experiments.sft import _asdict
+from experiments.tasks.registry import get_task
 from graphs.ppo import ACTOR, CRITIC, REF, REWARD, PPOGraphConfig
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
@@ -38,10 +39,16 @@ class RLDataConfig:
     test_path: str = field(default="", metadata={"help": "held-out jsonl ('' = generated with the training prompts)"})
     n_train: int = field(default=32_000, metadata={"help": "generated RL prompts (the default run: one pass)"})
     n_test: int = field(default=500, metadata={"help": "generated held-out prompts"})
-    difficulty: int = field(default=2, metadata={"help": "max operand digits (the SFT default's is 2)"})
+    task: str = field(default="arithmetic", metadata={
+        "help": "generated task: arithmetic | worked_arithmetic (experiments/tasks/registry.py)"})
+    difficulty: Optional[int] = field(default=None, metadata={
+        "help": "max operand digits (None = the task's default, which its SFT start used)"})
     data_seed: int = field(default=1, metadata={"help": "seed of the generated prompts (the SFT default used 0)"})
     format: str = field(default="prompt_answer", metadata={"help": "prompt_answer | gsm8k | boxed | a registered format"})
     max_prompt_len: int = field(default=64, metadata={"help": "drop prompts longer than this (tokens)"})
+
+    def __post_init__(self) -> None:
+        get_task(self.task)  # an unknown task fails here, naming the closest ones
 
 
 @dataclass
@@ -72,30 +79,37 @@ class _RLBase(BaseExperimentConfig):
     _graph = "grpo"
 
     def _sft_dir(self) -> str:
-        return os.path.abspath(os.path.join(self.fileroot, "sft", "trial0"))
+        return os.path.abspath(os.path.join(self.fileroot, "sft", get_task(self.dataset.task).sft_trial))
+
+    def _difficulty(self) -> int:
+        d = self.dataset.difficulty
+        return get_task(self.dataset.task).difficulty if d is None else d
 
     def _paths(self) -> tuple[str, str, str, str]:
         """(actor checkpoint, tokenizer, train jsonl, test jsonl)."""
         actor = self.model.path or os.path.join(self._sft_dir(), "checkpoints", "default", "final")
         tok = self.model.tokenizer_path or actor
         d = self.dataset
-        data = os.path.abspath(os.path.join(self.fileroot, "data", f"arith-rl-d{d.difficulty}-s{d.data_seed}"))
+        name = f"{get_task(d.task).data_prefix}-rl-d{self._difficulty()}-s{d.data_seed}"
+        data = os.path.abspath(os.path.join(self.fileroot, "data", name))
         return (actor, tok, self.dataset.train_path or os.path.join(data, "train.jsonl"),
                 self.dataset.test_path or os.path.join(data, "test.jsonl"))
 
     def prepare(self) -> None:
         actor, _, train, _ = self._paths()
         d = self.dataset
+        task = get_task(d.task)
         if not d.train_path:  # problems the SFT run never saw, from the same distribution
-            from experiments.tasks.arithmetic import ensure_dataset
-
-            ensure_dataset(os.path.dirname(train), d.n_train, d.n_test, d.data_seed, d.difficulty)
+            task.ensure_dataset(os.path.dirname(train), d.n_train, d.n_test, d.data_seed, self._difficulty())
         if self.model.path or os.path.isfile(os.path.join(actor, "config.json")):
             return
-        print(f"no SFT checkpoint at {actor}: running the SFT default first (python -m realflow.apps.main_sft)",
-              flush=True)
+        sft_args = [*task.sft_args, f"trial_name={task.sft_trial}"]
+        if d.difficulty is not None:
+            sft_args.append(f"dataset.difficulty={d.difficulty}")
+        print(f"no SFT checkpoint at {actor}: running SFT first (python -m realflow.apps.main_sft "
+              f"{' '.join(sft_args)})", flush=True)
         cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={self.fileroot}",
-               f"n_workers={self.n_workers}"]
+               f"n_workers={self.n_workers}", *sft_args]
         try:
             res = subprocess.run(cmd, timeout=SFT_TIMEOUT_S)
         except subprocess.TimeoutExpired:

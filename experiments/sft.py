@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from experiments.init_model import TinyArchConfig, ensure_random_checkpoint
 from realflow.api.batch import MicroBatchSpec
@@ -39,10 +39,18 @@ class SFTDataConfig:
     test_path: str = field(default="", metadata={"help": "held-out jsonl with prompt + answer"})
     n_train: int = field(default=50_000, metadata={"help": "generated training problems"})
     n_test: int = field(default=200, metadata={"help": "generated held-out problems"})
-    difficulty: int = field(default=2, metadata={"help": "max operand digits of generated problems"})
+    task: str = field(default="arithmetic", metadata={
+        "help": "generated task: arithmetic | worked_arithmetic (experiments/tasks/registry.py)"})
+    difficulty: Optional[int] = field(default=None, metadata={
+        "help": "max operand digits of generated problems (None = the task's default)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the generated data"})
     max_prompt_len: int = field(default=64, metadata={"help": "drop rows with longer prompts (tokens)"})
     max_seq_len: int = field(default=128, metadata={"help": "drop rows with longer prompt+response"})
+
+    def __post_init__(self) -> None:
+        from experiments.tasks.registry import get_task
+
+        get_task(self.task)  # an unknown task fails here, naming the closest ones
 
 
 @register_experiment("sft")
@@ -64,8 +72,18 @@ class SFTConfig(BaseExperimentConfig):
     eval_max_new_tokens: int = field(default=16, metadata={"help": "greedy tokens per held-out prompt"})
 
     # ---- derived paths: pure functions of the config ------------------------------------------
+    def _task(self) -> Any:
+        from experiments.tasks.registry import get_task
+
+        return get_task(self.dataset.task)
+
+    def _difficulty(self) -> int:
+        d = self.dataset.difficulty
+        return self._task().difficulty if d is None else d
+
     def _data_dir(self) -> str:
-        return os.path.abspath(os.path.join(self.fileroot, "data", f"arith-d{self.dataset.difficulty}-s{self.dataset.data_seed}"))
+        name = f"{self._task().data_prefix}-d{self._difficulty()}-s{self.dataset.data_seed}"
+        return os.path.abspath(os.path.join(self.fileroot, "data", name))
 
     def _paths(self) -> tuple[str, str, str, str]:
         """(train jsonl, test jsonl, tokenizer dir, model dir)."""
@@ -79,13 +97,12 @@ class SFTConfig(BaseExperimentConfig):
         return train, test, tok, model
 
     def prepare(self) -> None:
-        from experiments.tasks.arithmetic import ensure_dataset
         from experiments.tasks.tokenizer import ensure_tokenizer
 
         train, test, tok, model = self._paths()
         ds = self.dataset
         if not ds.train_path:
-            ensure_dataset(self._data_dir(), ds.n_train, ds.n_test, ds.data_seed, ds.difficulty)
+            self._task().ensure_dataset(self._data_dir(), ds.n_train, ds.n_test, ds.data_seed, self._difficulty())
         if not self.model.path and not self.model.tokenizer_path:
             ensure_tokenizer(tok, [train])
         if not self.model.path:

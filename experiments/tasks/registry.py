@@ -1,0 +1,63 @@
+"""The generated tasks the default experiments can train on, by name (``dataset.task=...``).
+
+Why a table: SFT, sync and async RL all generate their data, train the SFT start
+and pick a response-length cap for the same few tasks; one entry per task keeps
+those choices together instead of spread over three configs.
+
+* ``arithmetic`` (:mod:`experiments.tasks.arithmetic`): one operation, answers of
+  ~7 tokens; the SFT default since the first session.
+* ``worked_arithmetic`` (:mod:`experiments.tasks.worked_arithmetic`): chains of
+  additions and subtractions written out step by step; response lengths have a
+  long tail -- the task where asynchronous RL matters (the async default).
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """A generated task: its data, the SFT run that makes its start, its answer length."""
+
+    name: str
+    data_prefix: str  # generated data lives under fileroot/data/<prefix>-d<difficulty>-s<seed>
+    difficulty: int  # default of dataset.difficulty: max operand digits
+    ensure_dataset: Callable[[str, int, int, int, int], Any]  # (dir, n_train, n_test, seed, difficulty)
+    sft_args: tuple[str, ...]  # main_sft overrides that train this task's start checkpoint
+    response_tokens: int  # a max_new_tokens that lets (almost) every correct answer finish
+    sft_trial: str  # trial name of that SFT run under fileroot/sft/
+
+
+def _arith(out_dir: str, n_train: int, n_test: int, seed: int, difficulty: int) -> Any:
+    from experiments.tasks.arithmetic import ensure_dataset
+
+    return ensure_dataset(out_dir, n_train, n_test, seed, difficulty)
+
+
+def _worked(out_dir: str, n_train: int, n_test: int, seed: int, difficulty: int) -> Any:
+    from experiments.tasks.worked_arithmetic import ensure_dataset
+
+    return ensure_dataset(out_dir, n_train, n_test, seed, digits=difficulty)
+
+
+TASKS: dict[str, TaskSpec] = {
+    "arithmetic": TaskSpec("arithmetic", "arith", 2, _arith, (), 16, "trial0"),
+    "worked_arithmetic": TaskSpec(
+        "worked_arithmetic", "worked", 1, _worked,
+        ("dataset.task=worked_arithmetic", "max_train_steps=1200", "eval_max_new_tokens=96"),
+        96, "worked_arithmetic"),
+}
+
+
+def get_task(name: str) -> TaskSpec:
+    """The task called ``name``; an unknown name is an error naming the closest ones."""
+    if name not in TASKS:
+        close = difflib.get_close_matches(name, list(TASKS), n=3, cutoff=0.4)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(f"dataset.task={name!r}: unknown task{hint}; known: {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+__all__ = ["TaskSpec", "TASKS", "get_task"]

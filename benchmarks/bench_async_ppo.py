@@ -12,7 +12,9 @@ Printed for each: trained samples/s (prompts trained per second of training wall
 from the end of the first evaluation to the last step), the busy fraction of generation
 and of training, the reward curve (mean training reward per tenth of the run) and
 held-out pass@1 before/after; then the speed ratio (goal: >= 2x at equal final pass@1
-within seed noise). Extra ``key=value`` arguments go to both runs (e.g. a task's data set).
+within seed noise) and the training time each run needs to reach the synchronous run's
+final pass@1 (from held-out evaluations every ``--eval-every`` steps; their own time is
+excluded from every figure). Extra ``key=value`` arguments go to both runs (e.g. a task's data set).
 """
 from __future__ import annotations
 
@@ -50,10 +52,20 @@ def _summary(stdout: str, run_dir: str) -> dict[str, Any]:
                                                        "time/reward_inf"))
     if "async/gen_busy_frac" in steps[0]:  # the servers' own busy time, per step
         gen = sum(r["async/gen_busy_frac"] * (r["time"] - p["time"]) for p, r in zip([rows[0], *steps], steps))
+    # held-out pass@1 over training time (evaluations themselves excluded): (seconds, pass@1)
+    evals, spent, prev = [], 0.0, t0
+    for r in rows:
+        if "eval/sampled_accuracy" in r and r["step"] > 0:
+            evals.append((prev - t0 - spent, r["eval/sampled_accuracy"]))  # training seconds so far
+            if r["time"] < steps[-1]["time"]:
+                spent += r["time"] - prev  # this evaluation's own duration (it follows a step's row)
+        elif "eval/sampled_accuracy" in r:
+            evals.append((0.0, r["eval/sampled_accuracy"]))
+        prev = r["time"]
     tenth = max(1, len(steps) // 10)
     curve = [sum(r["actor_train/reward"] for r in steps[i:i + tenth]) / len(steps[i:i + tenth])
              for i in range(0, len(steps), tenth)]
-    return {"wall": wall, "steps": len(steps), "gen_busy": gen / wall, "train_busy": train / wall, "curve": curve,
+    return {"wall": wall - spent, "evals": evals, "steps": len(steps), "gen_busy": gen / wall, "train_busy": train / wall, "curve": curve,
             "pass1": (float(m.group(1)), float(m.group(2))) if m else (float("nan"), float("nan"))}
 
 
@@ -64,6 +76,7 @@ def main() -> None:
     ap.add_argument("--n-samples", type=int, default=8)
     ap.add_argument("--eta", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps (0 = 5 per run)")
     ap.add_argument("--fileroot", default=None, help="default: a temporary directory (SFT included)")
     a, extra = ap.parse_known_args()
     tmp = None
@@ -71,7 +84,7 @@ def main() -> None:
         tmp = tempfile.TemporaryDirectory(prefix="bench_async_")
         a.fileroot = tmp.name
     common = [f"max_train_steps={a.steps}", f"batch_size={a.batch}", f"ppo.n_samples={a.n_samples}",
-              f"seed={a.seed}", *extra]
+              f"seed={a.seed}", f"eval_freq_steps={a.eval_every or max(1, a.steps // 5)}", *extra]
     out_s, _ = _run("main_sync_ppo", a.fileroot, "bench-sync", common)
     out_a, _ = _run("main_async_ppo", a.fileroot, "bench-async",
                     common + ["allocation=gen:d1+train:d1", f"rollout.max_head_offpolicyness={a.eta}"])
@@ -86,6 +99,12 @@ def main() -> None:
         print(f"       reward per tenth of the run: {' '.join(f'{x:.3f}' for x in r['curve'])}")
     print(f"speed: async / sync = {res['async']['sps'] / res['sync']['sps']:.2f}x trained samples/s (goal >= 2x); "
           f"final pass@1 async - sync = {res['async']['pass1'][1] - res['sync']['pass1'][1]:+.3f}")
+    target = res["sync"]["pass1"][1]
+    for name, r in res.items():
+        hit = next((t for t, acc in r["evals"] if acc >= target), None)
+        print(f"time to reach the synchronous run's final pass@1 ({target:.3f}): {name} "
+              + (f"{hit:.0f}s" if hit is not None else "not reached")
+              + f"   (pass@1 over training seconds: {' '.join(f'{t:.0f}:{acc:.3f}' for t, acc in r['evals'])})")
     if tmp is not None:
         tmp.cleanup()
 

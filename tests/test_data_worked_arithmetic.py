@@ -11,6 +11,7 @@ from experiments.tasks.worked_arithmetic import (
     ensure_dataset,
     generate_splits,
     step_weights,
+    widths,
 )
 from mfc.reward import RewardConfig, RewardInput, compute_rewards
 
@@ -55,16 +56,23 @@ def test_solutions_are_worked_correctly_and_the_reward_accepts_them():
         assert r["answer"] == str(value) and min(running) >= 0  # never below zero
         assert r["steps"] == len(running) == len(lines) - 1
         assert lines[-1] == f"#### {value}"
-        for line, acc in zip(lines, running):  # "+7=91": the operation, then reversed digits
-            assert re.fullmatch(r"[+-]\d+=\d+", line) and line.split("=")[1] == str(acc)[::-1]
+        terms = [int(t) for t in re.findall(r"\d+", r["prompt"])]
+        ops = re.findall(r"[+-]", r["prompt"])
+        for line, a, op, t, acc in zip(lines, terms[:1] + running, ops, terms[1:], running):
+            # "9100+70=6100": value before, operation, term, value after; reversed, zero-padded
+            assert line == f"{str(a)[::-1]:0<4}{op}{str(t)[::-1]:0<2}={str(acc)[::-1]:0<4}", line
     samples = [RewardInput(id=r["id"], response=r["solution"], answer=r["answer"]) for r in rows]
     res = compute_rewards(samples, RewardConfig(name="arithmetic"))
     assert res.rewards == [1.0] * len(rows) and not res.errors
     wrong = [RewardInput(id=r["id"], response=r["solution"], answer=str(int(r["answer"]) + 1))
              for r in rows[:20]]
     assert compute_rewards(wrong, RewardConfig(name="arithmetic")).rewards == [0.0] * 20
+    assert widths(6, 2) == (4, 2) and widths(9, 1) == (3, 1)
     p = WorkedProblem((12, 7, 5), ("+", "-"))
-    assert (p.prompt, p.solution(), p.result) == ("12+7-5=", "+7=91\n-5=41\n#### 14", 14)
+    assert (p.prompt, p.solution(), p.result) == ("12+7-5=", "210+7=910\n910-5=410\n#### 14", 14)
+    assert p.solution("compact") == "+7=91\n-5=41\n#### 14"  # generator version 1's lines
+    q = WorkedProblem((123, 45, 7), ("-", "+"), width=4, term_width=2)
+    assert q.solution() == "3210-54=8700\n8700+70=5800\n#### 85"
 
 
 def test_steps_are_heavy_tailed():
@@ -99,8 +107,10 @@ def test_solution_lengths_in_task_tokens_have_a_long_tail(tmp_path):
 
 
 def test_bad_arguments_fail_with_clear_errors():
-    with pytest.raises(ValueError, match="cannot draw 400 test problems"):
-        generate_splits(10, 400, seed=0, max_steps=1, digits=1)  # ~155 one-step one-digit prompts
+    with pytest.raises(ValueError, match="cannot draw 2500 test problems"):
+        generate_splits(10, 2500, seed=0, max_steps=1, digits=1)  # < 2000 one-step prompts
+    with pytest.raises(ValueError, match="unknown style 'pad'"):
+        generate_splits(10, 10, seed=0, style="pad")
     with pytest.raises(ValueError, match="max_steps must be an integer >= 1"):
         generate_splits(10, 10, seed=0, max_steps=0)
     with pytest.raises(ValueError, match="digits must be an integer >= 1"):

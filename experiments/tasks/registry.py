@@ -45,8 +45,8 @@ def _worked(out_dir: str, n_train: int, n_test: int, seed: int, difficulty: int)
 TASKS: dict[str, TaskSpec] = {
     "arithmetic": TaskSpec("arithmetic", "arith", 2, _arith, (), 16, "trial0"),
     "worked_arithmetic": TaskSpec(
-        "worked_arithmetic", "worked", 1, _worked,
-        ("dataset.task=worked_arithmetic", "max_train_steps=1200", "eval_max_new_tokens=96"),
+        "worked_arithmetic", "worked", 2, _worked,
+        ("dataset.task=worked_arithmetic", "max_train_steps=600", "eval_max_new_tokens=96"),
         96, "worked_arithmetic"),
 }
 

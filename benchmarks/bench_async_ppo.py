@@ -28,6 +28,7 @@ import tempfile
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 
 def _run(app: str, fileroot: str, trial: str, args: list[str]) -> tuple[str, str]:
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--n-samples", type=int, default=8)
     ap.add_argument("--eta", type=int, default=4)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--task", default="worked_arithmetic", help="dataset.task of both runs")
     ap.add_argument("--eval-every", type=int, default=0, help="held-out evaluation every N steps (0 = 5 per run)")
     ap.add_argument("--fileroot", default=None, help="default: a temporary directory (SFT included)")
     a, extra = ap.parse_known_args()
@@ -83,7 +85,10 @@ def main() -> None:
     if a.fileroot is None:
         tmp = tempfile.TemporaryDirectory(prefix="bench_async_")
         a.fileroot = tmp.name
-    common = [f"max_train_steps={a.steps}", f"batch_size={a.batch}", f"ppo.n_samples={a.n_samples}",
+    from experiments.tasks.registry import get_task
+
+    common = [f"dataset.task={a.task}", f"ppo.max_new_tokens={get_task(a.task).response_tokens}",
+              f"max_train_steps={a.steps}", f"batch_size={a.batch}", f"ppo.n_samples={a.n_samples}",
               f"seed={a.seed}", f"eval_freq_steps={a.eval_every or max(1, a.steps // 5)}", *extra]
     out_s, _ = _run("main_sync_ppo", a.fileroot, "bench-sync", common)
     out_a, _ = _run("main_async_ppo", a.fileroot, "bench-async",

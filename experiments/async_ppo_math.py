@@ -6,8 +6,12 @@ rule reward), the rollout controller admits rollouts only while the staleness bo
 ``max_head_offpolicyness`` can hold, and after every train step the new weights reach
 the servers in memory (``weight_sync=memory``; ``disk`` writes a checkpoint instead).
 
-Default: the SFT default's checkpoint (trained first if absent), one CPU generation
-server and one CPU trainer (``allocation="gen:d1+train:d1"``).
+Default: worked multi-step arithmetic (``dataset.task=worked_arithmetic``: answers of
+16 tokens at the median and 81 at p99, the long tail that makes synchronous generation
+wait), starting from that task's SFT checkpoint (``fileroot/sft/worked_arithmetic``,
+trained first if absent), one CPU generation server and one CPU trainer
+(``allocation="gen:d1+train:d1"``). ``dataset.task=arithmetic ppo.max_new_tokens=16``
+runs the short-answer task of the synchronous default instead.
 """
 from __future__ import annotations
 
@@ -157,8 +161,9 @@ class AsyncGRPOMathConfig(_AsyncBase):
     """Asynchronous GRPO on math prompts (see experiments.async_ppo_math)."""
 
     model: RLModelConfig = field(default_factory=RLModelConfig)
-    dataset: RLDataConfig = field(default_factory=RLDataConfig)
-    ppo: PPOHyperConfig = field(default_factory=lambda: PPOHyperConfig(estimator="grpo", n_samples=8))
+    dataset: RLDataConfig = field(default_factory=lambda: RLDataConfig(task="worked_arithmetic"))
+    ppo: PPOHyperConfig = field(default_factory=lambda: PPOHyperConfig(estimator="grpo", n_samples=8,
+                                                                       max_new_tokens=96))
     rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
         lr=5e-5, weight_decay=0.0, warmup_steps_proportion=0.0, lr_scheduler_type="constant"))

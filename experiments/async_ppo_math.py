@@ -4,7 +4,8 @@ Generation servers keep generating while the trainer trains (DESIGN §8): rollou
 workers run the ``math`` agent (a group of ``n_samples`` answers per prompt, scored by a
 rule reward), the rollout controller admits rollouts only while the staleness bound
 ``max_head_offpolicyness`` can hold, and after every train step the new weights reach
-the servers in memory (``weight_sync=memory``; ``disk`` writes a checkpoint instead).
+the servers in memory (``weight_sync=memory``: shared memory on the trainer's host, a
+torch.distributed broadcast to servers on other hosts; ``disk`` writes a checkpoint instead).
 
 Default: worked multi-step arithmetic (``dataset.task=worked_arithmetic``: answers of
 16 tokens at the median and 81 at p99, the long tail that makes synchronous generation
@@ -37,7 +38,11 @@ from realflow.api.rollout import RolloutError, RolloutSpec
 class AsyncRolloutConfig:
     max_head_offpolicyness: int = field(default=4, metadata={
         "help": "eta: trainer version - oldest token version <= eta for every trained rollout (0 = on-policy)"})
-    weight_sync: str = field(default="memory", metadata={"help": "memory (shared memory) | disk (checkpoint)"})
+    weight_sync: str = field(default="memory", metadata={
+        "help": "memory (shared memory to servers on the trainer's host, torch.distributed broadcast to the "
+                "others) | broadcast (broadcast to every server) | disk (checkpoint)"})
+    weight_broadcast_timeout_s: float = field(default=120.0, metadata={
+        "help": "a weight group forms, or a broadcast finishes, within this (else the round names the servers)"})
     interrupt_mode: str = field(default="abort", metadata={
         "help": "requests running during a weight update: abort (resubmitted with their prefix) | "
                 "recompute (kept; KV cache recomputed under the new weights)"})
@@ -127,7 +132,8 @@ class _AsyncBase(_RLBase):
                 max_running_requests=r.max_running_requests, n_rollout_workers=r.n_rollout_workers,
                 max_concurrent_rollouts=r.max_concurrent_rollouts, agent=r.agent, agent_args=agent_args,
                 max_head_offpolicyness=r.max_head_offpolicyness, train_batch_size=self.batch_size,
-                weight_sync=r.weight_sync, interrupt_mode=r.interrupt_mode, reward_timeout_s=r.reward_timeout_s,
+                weight_sync=r.weight_sync, weight_broadcast_timeout_s=r.weight_broadcast_timeout_s,
+                interrupt_mode=r.interrupt_mode, reward_timeout_s=r.reward_timeout_s,
                 reward_processes=r.reward_processes, seed=self.seed)
         except RolloutError as e:
             raise RolloutError(f"rollout.{e}") from None

@@ -62,9 +62,14 @@ def test_async_grpo_raises_reward_within_the_staleness_bound(fileroot):
 @pytest.mark.timeout(300)
 def test_on_policy_eta_zero_trains_only_the_current_version(fileroot):
     res = _run(["realflow.apps.main_async_ppo"], fileroot, *FAST, "max_train_steps=4", "batch_size=8",
-               "rollout.max_head_offpolicyness=0", "trial_name=eta0", "rollout.interrupt_mode=recompute")
+               "rollout.max_head_offpolicyness=0", "trial_name=eta0", "rollout.interrupt_mode=recompute",
+               "rollout.weight_sync=broadcast")  # the path to servers on other hosts, forced on one host
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = _rows(fileroot / "async-grpo-math" / "eta0")
+    run_dir = fileroot / "async-grpo-math" / "eta0"
+    rows = _rows(run_dir)
+    logs = "".join(p.read_text() for p in (run_dir / "logs").rglob("*.log"))
+    assert "(broadcast to 1, " in logs and "joined weight group 'realflow-weights'" in logs
+    assert "not delivered" not in logs and "keep their weights until" not in logs  # (no failed round)
     assert len(rows) == 4
     for r in rows:
         assert r["async/offpolicy_head_max"] == 0 and r["async/offpolicy_tail_mean"] == 0

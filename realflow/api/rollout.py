@@ -34,7 +34,7 @@ VERSIONS = "packed_versions"
 TRAJECTORY_KEYS = (INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, VERSIONS)
 #: metadata: the weight version when the rollout was admitted, and of its oldest / newest token
 VERSION_ADMIT, VERSION_OLDEST, VERSION_NEWEST = "version_admit", "version_oldest", "version_newest"
-WEIGHT_SYNC_MODES = ("memory", "disk")
+WEIGHT_SYNC_MODES = ("memory", "broadcast", "disk")
 INTERRUPT_MODES = ("abort", "recompute")
 
 
@@ -73,6 +73,7 @@ class RolloutSpec:
     reward_processes: int = 1
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
+    weight_broadcast_timeout_s: float = 120.0
     seed: int = 1
 
     def __post_init__(self) -> None:
@@ -90,7 +91,7 @@ class RolloutSpec:
             raise bad("weight_sync", f"expected one of {WEIGHT_SYNC_MODES}")
         if self.interrupt_mode not in INTERRUPT_MODES:
             raise bad("interrupt_mode", f"expected one of {INTERRUPT_MODES}")
-        for name in ("reward_timeout_s", "request_timeout_s", "health_interval_s"):
+        for name in ("reward_timeout_s", "request_timeout_s", "health_interval_s", "weight_broadcast_timeout_s"):
             if not getattr(self, name) > 0:
                 raise bad(name, "must be > 0 seconds")
 

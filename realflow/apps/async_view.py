@@ -13,6 +13,11 @@ from realflow.api.experiment import ExperimentSetup
 __all__ = ["describe_rollout", "draw_processes"]
 
 
+_WEIGHT_PATHS = {"memory": "shared memory on the writer's host, torch.distributed broadcast to other hosts",
+                 "broadcast": "torch.distributed broadcast (gloo weight group)",
+                 "disk": "HF checkpoint on disk"}
+
+
 def describe_rollout(setup: ExperimentSetup) -> str:
     r = setup.rollout
     assert r is not None
@@ -34,8 +39,7 @@ def describe_rollout(setup: ExperimentSetup) -> str:
         "/continue_generation",
         "  rollout_worker -> model_worker inbox: trajectories (signed ZMQ, msgpack + tensor frames)",
         "  master <-> rollout_controller: counts, update_weights (signed ZMQ RPC)",
-        "  actor home workers -> gen_server: weights (" + ("shared memory" if r.weight_sync == "memory"
-                                                         else "HF checkpoint on disk") + ")",
+        "  actor home workers -> gen_server: weights (" + _WEIGHT_PATHS[r.weight_sync] + ")",
     ]
     return "\n".join(lines)
 
@@ -79,7 +83,8 @@ def draw_processes(setup: ExperimentSetup, path: str | pathlib.Path) -> pathlib.
     arrow("controller", "servers", "route, pause/update/continue")
     arrow("rollout workers", "workers", "trajectories\n(signed ZMQ)")
     arrow("master", "controller", "counts, update_weights")
-    arrow("workers", "servers", "weights (" + ("shm" if r.weight_sync == "memory" else "disk") + ")", bend=-0.25)
+    short = {"memory": "shm / broadcast", "broadcast": "gloo broadcast", "disk": "disk"}[r.weight_sync]
+    arrow("workers", "servers", f"weights ({short})", bend=-0.25)
     arrow("master", "workers", "take, actor_inf, actor_train")
     ax.set_title(f"{setup.experiment_name}/{setup.trial_name}: processes and flows", fontsize=11)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,7 @@ from aiohttp import web
 from realflow.api.rollout import RolloutSpec
 from realflow.comm import shm
 from realflow.rollout.server_pool import NoServerError, ServerPool, ServerState
+from realflow.rollout.weight_groups import WeightGroups
 
 __all__ = ["RolloutController", "build_controller_app"]
 
@@ -54,6 +55,7 @@ class _Round:
     version: int
     handle: Optional[dict] = None  # shared-memory weights (weight_sync=memory)
     path: Optional[str] = None  # checkpoint directory (weight_sync=disk)
+    broadcast: Optional[dict] = None  # group + tensor list for servers on other hosts
 
 
 @dataclass
@@ -79,6 +81,7 @@ class RolloutController:
     def __init__(self, spec: RolloutSpec, server_urls: list[str], api_key: Optional[str]) -> None:
         self.spec = spec
         self.pool = ServerPool(server_urls, api_key, request_timeout=spec.request_timeout_s)
+        self.groups = WeightGroups(self.pool, spec.weight_sync, spec.weight_broadcast_timeout_s)
         self.version = 0
         self.counts = Counts()
         self.stopping = False
@@ -164,12 +167,21 @@ class RolloutController:
                 "gen_busy_s": sum(s.busy_s for s in self.pool.servers), "n_servers": len(self.pool.servers),
                 "round_times": list(self.round_times[-8:]), "rounds": len(self.round_times),
                 "stall_times": list(self.stall_times[-8:]),
-                "rounds_skipped": self.rounds_skipped, "fatal": self.fatal}
+                "rounds_skipped": self.rounds_skipped, "broadcast_failures": self.groups.failures,
+                "fatal": self.fatal}
 
     # ------------------------------------------------------------ weight-update rounds
 
-    def request_round(self, version: int, handle: Optional[dict], path: Optional[str]) -> None:
-        """Queue a round to ``version``; one not started yet is superseded (and its weights freed)."""
+    def weight_plan(self, writer_host: str) -> dict[str, Any]:
+        """How the next version travels: shared memory and/or a broadcast group (see weight_groups)."""
+        return self.groups.plan(writer_host)
+
+    def request_round(self, version: int, handle: Optional[dict], path: Optional[str],
+                      broadcast: Optional[dict] = None) -> None:
+        """Queue a round to ``version``; one not started yet is superseded (and its weights freed).
+
+        (A round with a broadcast is never pending when the next arrives: the writer's next
+        publish waits for its send, which needs this round's receivers.)"""
         assert self._round_wakeup is not None
         if version <= self.version:
             raise ValueError(f"update_weights to version {version}: the servers already run {self.version}")
@@ -178,7 +190,7 @@ class RolloutController:
             self.rounds_skipped += 1
             if old.handle is not None:
                 shm.release(old.handle)
-        self._pending_round = _Round(version, handle, path)
+        self._pending_round = _Round(version, handle, path, broadcast)
         self._round_wakeup.set()
 
     async def _round_loop(self) -> None:
@@ -209,23 +221,33 @@ class RolloutController:
         t0 = time.perf_counter()
         mode = "abort" if self.spec.interrupt_mode == "abort" else "retract"
         staged: list[ServerState] = []
+        receivers = self.groups.receivers(r.broadcast) if r.broadcast else []
+        early = bool(receivers) and all(s.can_stage for s in receivers)
+        if early:  # all receivers can stage: the bytes travel while generation goes on
+            assert r.broadcast is not None
+            staged += await self.groups.deliver(r.broadcast, r.version, stage=True)
         if r.handle is not None:
             body = {"shm_handle": r.handle, "format": "hf", "weight_version": r.version, "unlink": False}
             stagers = [s for s in self.pool.alive() if s.can_stage]
             if stagers:
                 res = await self.pool.broadcast("/update_weights_from_tensor", dict(body, stage=True),
                                                 timeout=600.0, only=stagers)
-                staged = [s for s in stagers if isinstance(res.get(s.name), dict)]
+                staged += [s for s in stagers if isinstance(res.get(s.name), dict)]
         t_pause = time.perf_counter()
         await self.pool.broadcast("/pause_generation", {"mode": mode})
         res = {}
         if staged:
             res.update(await self.pool.broadcast("/commit_staged_weights", {"weight_version": r.version},
                                                  timeout=60.0, only=staged))
-        rest = [s for s in self.pool.alive() if all(s is not t for t in staged)]
+        if receivers and not early:  # some receiver cannot stage: broadcast while paused
+            assert r.broadcast is not None
+            for s in await self.groups.deliver(r.broadcast, r.version, stage=False):
+                s.version = r.version
+        # broadcast receivers that did not get this version keep theirs until the next round
+        rest = [s for s in self.pool.alive() if all(s is not t for t in staged + receivers)]
         if rest and r.handle is not None:
             res.update(await self.pool.broadcast("/update_weights_from_tensor", body, timeout=600.0, only=rest))
-        elif rest:
+        elif rest and r.path is not None:
             body = {"model_path": r.path, "weight_version": r.version}
             res.update(await self.pool.broadcast("/update_weights_from_disk", body, timeout=600.0, only=rest))
         for name, v in res.items():
@@ -237,8 +259,10 @@ class RolloutController:
         self.round_times.append(t1 - t0)
         self.stall_times.append(t1 - t_pause)
         self.version = r.version
+        how = "+".join(w for w, on in (("shared memory", r.handle is not None), ("disk", r.path is not None),
+                                       (f"broadcast to {len(receivers)}", bool(receivers))) if on)
         logger.info("weight-update round to version %d (%s%s, %s): %.3f s, generation stopped %.3f s",
-                    r.version, "shared memory" if r.handle is not None else "disk",
+                    r.version, how,
                     f", {len(staged)} staged" if staged else "", mode, t1 - t0, t1 - t_pause)
         if r.path is not None:
             _remove_older_checkpoints(r.path)
@@ -343,8 +367,12 @@ def master_handlers(ctl: RolloutController, loop: asyncio.AbstractEventLoop) -> 
         return st
 
     def update_weights(payload: dict) -> dict:
-        on_loop(ctl.request_round, int(payload["version"]), payload.get("handle"), payload.get("path"))
+        on_loop(ctl.request_round, int(payload["version"]), payload.get("handle"), payload.get("path"),
+                payload.get("broadcast"))
         return {"queued": True}
+
+    def weight_plan(payload: dict) -> dict:
+        return on_loop(ctl.weight_plan, str(payload["writer_host"]))
 
     def finish(payload: dict) -> dict:
         """No new rollouts (workers asking are told to stop). The controller itself keeps
@@ -356,5 +384,5 @@ def master_handlers(ctl: RolloutController, loop: asyncio.AbstractEventLoop) -> 
         on_loop(_stop)
         return {"stopped": True}
 
-    return {"counts": counts, "update_weights": update_weights, "finish": finish,
+    return {"counts": counts, "update_weights": update_weights, "weight_plan": weight_plan, "finish": finish,
             "ping": lambda payload: {"worker": "rollout_controller"}}

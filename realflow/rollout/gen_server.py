@@ -20,6 +20,9 @@ Endpoints (JSON in and out; bad input -> 4xx ``{"error": message}``):
   (backends that say ``weight_staging`` in ``/health``) builds the new weights
   beside the ones in use while generation goes on; ``POST /commit_staged_weights``
   ``{weight_version}`` then swaps them in -- the controller's pause shrinks to that.
+* ``POST /init_weights_update_group``, ``/update_weights_from_distributed``,
+  ``/destroy_weights_update_group``: weights by torch.distributed broadcast from a
+  writer on another host (see :mod:`realflow.rollout.gen_server_weight_group`).
 * ``POST /pause_generation`` ``{mode}``: ``abort`` (default, as SGLang) ends
   running and queued requests now, each answering what it generated so far
   with finish type ``abort`` (the manager resubmits prompt + prefix);
@@ -45,8 +48,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
-import os
 import importlib
+import os
+import socket
 import json
 import logging
 import sys
@@ -58,6 +62,7 @@ from aiohttp import web
 from realflow.api.generation import (PAUSE_MODES, BackendConfig, ExternalServerBackend,
                                      GenerationResult, SamplingParams, generation_backends)
 from realflow.rollout.gen_server_state import BadRequest, GenServer
+from realflow.rollout.gen_server_weight_group import weight_group_routes
 
 __all__ = ["GenServer", "build_app", "serve", "main"]
 
@@ -146,7 +151,7 @@ def _result_json(server: GenServer, r: GenerationResult, return_logprob: bool) -
 # ---------------------------------------------------------------- handlers
 
 
-def build_app(server: GenServer, api_key: Optional[str] = None) -> web.Application:
+def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str = "127.0.0.1") -> web.Application:
     """The aiohttp application for ``server`` (its step thread is started on startup).
 
     With ``api_key`` every request must carry ``Authorization: Bearer <api_key>`` (as
@@ -291,7 +296,8 @@ def build_app(server: GenServer, api_key: Optional[str] = None) -> web.Applicati
         alive = server.thread.is_alive()
         body = {"status": "ok" if alive else "dead", "paused": server.paused,
                 "weight_version": server.backend.weight_version, "last_step_error": server.step_error,
-                "weight_staging": server.can_stage}
+                "weight_staging": server.can_stage, "hostname": socket.gethostname(),
+                "weight_group": server.weight_group_name()}
         return web.json_response(body, status=200 if alive else 503)
 
     async def model_info(request: web.Request) -> web.Response:
@@ -308,7 +314,9 @@ def build_app(server: GenServer, api_key: Optional[str] = None) -> web.Applicati
     async def on_cleanup(app: web.Application) -> None:
         server.stop()
 
+    group_routes, group_cleanup = weight_group_routes(server, _json, _version, bind_host)
     app = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
+    app.add_routes(group_routes)
     app.add_routes([
         web.post("/generate", generate),
         web.post("/update_weights_from_disk", update_from_disk),
@@ -324,6 +332,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None) -> web.Applicati
     ])
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
+    app.on_cleanup.append(group_cleanup)
     return app
 
 
@@ -390,7 +399,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     server = GenServer(backend, a.model)
     try:
         api_key = os.environ[a.api_key_env] if a.api_key_env else None
-        asyncio.run(serve(build_app(server, api_key), a.host, a.port))
+        asyncio.run(serve(build_app(server, api_key, bind_host=a.host), a.host, a.port))
     except KeyboardInterrupt:
         pass
     return 0

@@ -23,6 +23,7 @@ from realflow.api.config import import_modules, parse_overrides
 from realflow.api.experiment import ExperimentSetup, experiment_registry
 from realflow.base import names
 from realflow.base.name_resolve import make_name_resolver
+from realflow.base.network import host_address
 from realflow.comm.auth import http_token, secret_from_env
 
 logger = logging.getLogger("realflow.rollout.main")
@@ -51,7 +52,8 @@ def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     resolver = make_name_resolver(setup.name_resolve_config())
     key = names.gen_server_address(setup.experiment_name, setup.trial_name, index)
     server = GenServer(backend, spec.model_path)
-    asyncio.run(serve(build_app(server, http_token(secret)), "127.0.0.1", 0,
+    host = host_address()
+    asyncio.run(serve(build_app(server, http_token(secret), bind_host=host), host, 0,
                       on_ready=lambda url: resolver.add(key, url, replace=True)))
     return 0
 

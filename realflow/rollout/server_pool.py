@@ -46,6 +46,7 @@ class ServerState:
     served: int = 0
     busy_s: float = 0.0  # seconds the server spent stepping its engine (from its /metrics)
     can_stage: bool = False  # its /health says weight_staging (see the controller's rounds)
+    hostname: str = ""  # from its /health: servers on the trainer writer's host read shared memory
 
 
 @dataclass
@@ -129,6 +130,7 @@ class ServerPool:
                 h = await self.call(s, "/health", timeout=10.0, method="GET")
                 s.version = int(h.get("weight_version", s.version))
                 s.can_stage = h.get("weight_staging") is True
+                s.hostname = str(h.get("hostname") or "")
                 m = parse_prometheus(await self.call_text(s, "/metrics"))
                 tps = m.get("realflow_gen_busy_tokens_per_second", 0.0)
                 if tps > 0:

@@ -46,6 +46,7 @@ class AsyncMaster(Master):
         self._busy_last = 0.0
         self._trained = 0
         self._t_train0 = 0.0
+        self._writer_host: str | None = None
 
     # ---- hooks of Master.run ---------------------------------------------------------
     def _connect(self) -> None:
@@ -170,12 +171,20 @@ class AsyncMaster(Master):
     def _publish(self, version: int) -> None:
         """Have the policy's home workers export version ``version`` and the controller push it."""
         workers = list(self.plan.role_home[self.policy_role].workers)
-        payload: dict[str, Any] = {"role": self.policy_role, "version": version, "mode": self.spec.weight_sync}
-        if self.spec.weight_sync == "disk":
+        mode = self.spec.weight_sync
+        payload: dict[str, Any] = {"role": self.policy_role, "version": version,
+                                   "mode": "disk" if mode == "disk" else "memory"}
+        if mode == "disk":
             payload["path"] = os.path.join(self.setup.run_dir, "weights", f"v{version}")
+        else:  # shared memory for servers on the writer's host, a broadcast group for the others
+            if self._writer_host is None:
+                self._writer_host = self._all("describe", {}, 60.0, workers=workers[:1])[workers[0]]["host"]
+            payload.update(self.ep.call(self.controller, "weight_plan", {"writer_host": self._writer_host},
+                                        timeout=60.0))
         replies = self._all("publish_weights", payload, self.setup.mfc_timeout_s, workers=workers)
-        got = [r for r in replies.values() if r.get("handle") or r.get("path")]
+        got = [r for r in replies.values() if r.get("handle") or r.get("path") or r.get("broadcast")]
         if len(got) != 1:
             raise MasterError(f"publish_weights of {self.policy_role} v{version}: expected one writer, got {got}")
         self.ep.call(self.controller, "update_weights", {"version": version, "handle": got[0].get("handle"),
-                                                         "path": got[0].get("path")}, timeout=60.0)
+                                                         "path": got[0].get("path"),
+                                                         "broadcast": got[0].get("broadcast")}, timeout=60.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ from realflow.system.data_stream import ShardStream
 from realflow.system.model_store import ModelStore
 from realflow.system.plan import ExecutionPlan
 from realflow.system.trajectory_inbox import TrajectoryInbox
+from realflow.system.weight_sender import WeightSender
 
 logger = get_logger("model_worker")
 
@@ -67,6 +69,7 @@ class ModelWorker:
         self._calls: dict[str, _MFCCall] = {}  # per MFC name, filled on its first run
         self.inbox: TrajectoryInbox | None = None
         self._wpool: shm.ShmPool | None = None  # for publish_weights (asynchronous runs)
+        self._sender: WeightSender | None = None  # broadcasts to servers on other hosts
         if setup.rollout is not None:  # asynchronous PPO: rollouts arrive here, not from a data set
             if secret is None:
                 raise ValueError("an asynchronous run's model worker needs the experiment secret")
@@ -90,6 +93,7 @@ class ModelWorker:
             "peek_trajectories": self.peek_trajectories,
             "take_trajectories": self.take_trajectories,
             "publish_weights": self.publish_weights,
+            "describe": lambda payload: {"host": socket.gethostname(), "worker": self.name},
             "ping": lambda payload: {"worker": self.name},
         }
 
@@ -140,8 +144,11 @@ class ModelWorker:
         """Export the role's full weights for the generation servers (collective over its home ranks).
 
         ``mode="memory"``: HF-named tensors in one shared-memory segment, whose handle the
-        controller hands to every server (released after the round); ``"disk"``: an HF
-        checkpoint at ``path``. Only the writer (dp 0, tp 0, pp 0) returns something.
+        controller hands to the servers on this host (released after the round; ``shm:
+        false`` when there are none), and, when ``group`` names receivers (servers on
+        other hosts), a torch.distributed broadcast to them (:mod:`realflow.system.weight_sender`);
+        ``"disk"``: an HF checkpoint at ``path``. Only the writer (dp 0, tp 0, pp 0)
+        returns something.
         """
         role = payload["role"]
         model = self.store.home_model(role)
@@ -153,7 +160,14 @@ class ModelWorker:
             state = model.module.full_hf_state()
             if state is None:
                 return {"handle": None}
-            return {"handle": self._weights_pool(state).put_tensors(state)}
+            reply: dict[str, Any] = {"handle": None, "host": socket.gethostname()}
+            if payload.get("group"):
+                if self._sender is None:
+                    self._sender = WeightSender(host_address())
+                reply["broadcast"] = self._sender.publish(state, payload["group"], payload["version"])
+            if payload.get("shm", True):
+                reply["handle"] = self._weights_pool(state).put_tensors(state)
+            return reply
 
     def _weights_pool(self, state: dict) -> shm.ShmPool:
         """Pre-faulted shared memory for published weights: a fresh segment costs ~3x a memcpy
@@ -264,6 +278,8 @@ class ModelWorker:
             self.inbox.close()
         if self._wpool is not None:
             self._wpool.close()
+        if self._sender is not None:
+            self._sender.close()
         if self.on_finish is not None:  # stop serving once this reply is sent
             self.on_finish()
         return {"worker": self.name}

@@ -1,0 +1,103 @@
+"""Which servers get new weights by broadcast, and the rounds' broadcast part.
+
+Servers on the writer's host read the weights from shared memory; the others (every
+server with ``weight_sync=broadcast``) are the receivers of a weight group whose rank 0
+is the trainer's writer (:mod:`realflow.comm.weight_broadcast`). The controller owns
+the membership: a plan names the receivers under a *generation* that changes when the
+set of live receivers changes or a broadcast failed, and the writer forms a new group
+for a new generation. A server lost mid-broadcast fails that round's broadcast for
+everyone in it (the collective cannot finish); its live peers keep their weights and
+catch up at the next round, in the next generation, without the dead one.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from realflow.comm.weight_broadcast import GroupSpec
+from realflow.rollout.server_pool import ServerPool, ServerState
+
+__all__ = ["WeightGroups", "GROUP_NAME"]
+
+logger = logging.getLogger("realflow.rollout.controller")
+
+GROUP_NAME = "realflow-weights"
+
+
+class WeightGroups:
+    """Membership of the weight group and the servers' side of each broadcast."""
+
+    def __init__(self, pool: ServerPool, mode: str, timeout_s: float) -> None:
+        self.pool, self.mode, self.timeout_s = pool, mode, timeout_s
+        self.generation = 0
+        self.members: list[str] = []
+        self.broken = False  # the last broadcast failed: the next plan regroups
+        self.joined: Optional[tuple[str, int]] = None  # (name, generation) the members joined
+        self.failures = 0
+
+    def plan(self, writer_host: str) -> dict[str, Any]:
+        """For the next publish: ``shm`` (any server on the writer's host) and ``group``
+        (the receivers' GroupSpec, or None when every live server reads shared memory)."""
+        alive = self.pool.alive()
+        remote = [s for s in alive if self.mode == "broadcast" or (s.hostname and s.hostname != writer_host)]
+        local = [s for s in alive if s not in remote]
+        if not remote:
+            return {"shm": bool(local), "group": None}
+        names = [s.name for s in remote]
+        if names != self.members or self.broken or self.generation == 0:
+            self.generation += 1
+            self.members, self.broken = names, False
+        spec = GroupSpec(GROUP_NAME, self.generation, names, timeout_s=self.timeout_s)
+        return {"shm": bool(local), "group": spec.to_wire()}
+
+    def receivers(self, bc: dict[str, Any]) -> list[ServerState]:
+        spec = GroupSpec.from_wire(bc["group"])
+        return [s for s in self.pool.alive() if s.name in spec.members]
+
+    async def deliver(self, bc: dict[str, Any], version: int, stage: bool) -> list[ServerState]:
+        """Have the group's receivers join (a new generation) and receive version ``version``;
+        return those that got it (staged when ``stage``). All or none: a collective."""
+        spec = GroupSpec.from_wire(bc["group"])
+        by_name = {s.name: s for s in self.pool.alive()}
+        missing = [m for m in spec.members if m not in by_name]
+        if missing:
+            return self._failed(spec, f"receiver(s) {missing} were lost before the round")
+        members = [by_name[m] for m in spec.members]
+        if self.joined != (spec.name, spec.generation):
+            body = {"master_address": spec.address, "master_port": spec.port, "world_size": spec.world_size,
+                    "group_name": spec.name, "backend": "gloo", "generation": spec.generation,
+                    "timeout_s": spec.timeout_s, "members": spec.members}
+            res = await self._each(members, "/init_weights_update_group",
+                                   [dict(body, rank_offset=i + 1) for i in range(len(members))], spec.timeout_s + 10)
+            bad = {n: r for n, r in res.items() if not isinstance(r, dict)}
+            if bad:
+                return self._failed(spec, f"could not join: {bad}")
+            self.joined = (spec.name, spec.generation)
+        body = dict(bc["meta"], group_name=spec.name, weight_version=version, stage=stage, flush_cache=False)
+        res = await self._each(members, "/update_weights_from_distributed", [body] * len(members),
+                               spec.timeout_s + 10)
+        bad = {n: r for n, r in res.items() if not isinstance(r, dict)}
+        if bad:
+            return self._failed(spec, f"receiving v{version} failed: {bad}")
+        return members
+
+    def _failed(self, spec: GroupSpec, why: str) -> list[ServerState]:
+        self.broken, self.joined = True, None
+        self.failures += 1
+        logger.error("%s: %s; those servers keep their weights until the next round (a new group)",
+                     spec.describe(), why)
+        return []
+
+    async def _each(self, servers: list[ServerState], endpoint: str, bodies: list[dict], timeout: float
+                    ) -> dict[str, Any]:
+        """One call per server with its own body, concurrently; errors come back as values
+        (a server that refuses is not marked lost: its peers' failure may be the cause)."""
+        import asyncio
+
+        async def one(s: ServerState, body: dict) -> Any:
+            try:
+                return await self.pool.call(s, endpoint, body, timeout)
+            except Exception as e:  # noqa: BLE001 - reported by the caller with the server's name
+                return f"{type(e).__name__}: {e}"
+        results = await asyncio.gather(*(one(s, b) for s, b in zip(servers, bodies)))
+        return {s.name: r for s, r in zip(servers, results)}

@@ -223,11 +223,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
         if not isinstance(unlink, bool):
             raise BadRequest(f"unlink must be a boolean, got {unlink!r}")
 
-        stage = body.get("stage", False)
-        if not isinstance(stage, bool):
-            raise BadRequest(f"stage must be a boolean, got {stage!r}")
-        if stage and not server.can_stage:
-            raise BadRequest("stage: this backend cannot stage weights (no stage_weights_from_tensors)")
+        stage = server.stage_flag(body)
 
         def work() -> int:
             from realflow.comm.shm import ShmError, take_tensors
@@ -236,20 +232,13 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
                 tensors = take_tensors(handle, unlink=unlink)
             except ShmError as e:
                 raise BadRequest(str(e)) from None
-            if stage:  # no backend lock: generation goes on while the new weights are built
-                with server.stage_lock:
-                    return server.backend.stage_weights_from_tensors(tensors, fmt, version)
-            with server.lock:
-                return server.backend.update_weights_from_tensors(tensors, fmt, version)
+            return server.load_weights(tensors, fmt, version, stage)
 
         try:
             v = await asyncio.to_thread(work)
         except (ValueError, KeyError) as e:
             raise BadRequest(f"update_weights_from_tensor: {e}") from None
-        if stage:
-            return web.json_response({"success": True, "message": "staged", "staged_version": v})
-        server.wake.set()
-        return web.json_response({"success": True, "message": "updated", "weight_version": v})
+        return web.json_response(server.weights_reply(v, stage))
 
     async def commit_staged(request: web.Request) -> web.Response:
         body = await _json(request)

@@ -149,6 +149,32 @@ class GenServer:
     def start(self) -> None:
         self.thread.start()
 
+    # ------------------------------------------------------------ weight updates
+
+    def stage_flag(self, body: dict) -> bool:
+        """``stage`` of an update request: build the new weights beside the live ones."""
+        stage = body.get("stage", False)
+        if not isinstance(stage, bool):
+            raise BadRequest(f"stage must be a boolean, got {stage!r}")
+        if stage and not self.can_stage:
+            raise BadRequest("stage: this backend cannot stage weights (no stage_weights_from_tensors)")
+        return stage
+
+    def load_weights(self, tensors: dict, fmt: str, version: Optional[int], stage: bool) -> int:
+        """Staged: no backend lock, generation goes on while the new weights are built (one
+        staging at a time); otherwise in place under the backend lock. Returns the version."""
+        if stage:
+            with self.stage_lock:
+                return self.backend.stage_weights_from_tensors(tensors, fmt, version)
+        with self.lock:
+            return self.backend.update_weights_from_tensors(tensors, fmt, version)
+
+    def weights_reply(self, version: int, stage: bool) -> dict:
+        if stage:
+            return {"success": True, "message": "staged", "staged_version": version}
+        self.wake.set()
+        return {"success": True, "message": "updated", "weight_version": version}
+
     def stop(self) -> None:
         self.stopping.set()
         self.wake.set()

@@ -73,11 +73,7 @@ def weight_group_routes(server: GenServer, json_body: Any, version_of: Any, bind
             raise BadRequest(f"update_weights_from_distributed: {e}") from None
         name = body.get("group_name")
         version = version_of(body)
-        stage = body.get("stage", False)
-        if not isinstance(stage, bool):
-            raise BadRequest(f"stage must be a boolean, got {stage!r}")
-        if stage and not server.can_stage:
-            raise BadRequest("stage: this backend cannot stage weights (no stage_weights_from_tensors)")
+        stage = server.stage_flag(body)
         group = slot.group
         if group is None or name != group.spec.name:
             raise BadRequest(f"group_name {name!r}: this server is in "
@@ -87,11 +83,7 @@ def weight_group_routes(server: GenServer, json_body: Any, version_of: Any, bind
         def work() -> int:
             with slot.lock:
                 tensors = group.receive(meta)
-            if stage:
-                with server.stage_lock:
-                    return server.backend.stage_weights_from_tensors(tensors, "hf", version)
-            with server.lock:
-                return server.backend.update_weights_from_tensors(tensors, "hf", version)
+            return server.load_weights(tensors, "hf", version, stage)
 
         try:
             v = await asyncio.to_thread(work)
@@ -100,10 +92,7 @@ def weight_group_routes(server: GenServer, json_body: Any, version_of: Any, bind
             return web.json_response({"success": False, "error": str(e)}, status=503)
         except (ValueError, KeyError) as e:
             raise BadRequest(f"update_weights_from_distributed: {e}") from None
-        if stage:
-            return web.json_response({"success": True, "message": "staged", "staged_version": v})
-        server.wake.set()
-        return web.json_response({"success": True, "message": "updated", "weight_version": v})
+        return web.json_response(server.weights_reply(v, stage))
 
     async def destroy_group(request: web.Request) -> web.Response:
         body = await json_body(request)

@@ -172,14 +172,14 @@ class AsyncGRPOMathConfig(_AsyncBase):
                                                                        max_new_tokens=96))
     rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
-        lr=5e-5, weight_decay=0.0, warmup_steps_proportion=0.0, lr_scheduler_type="constant"))
+        lr=2e-5, weight_decay=0.0, warmup_steps_proportion=0.0, lr_scheduler_type="constant"))
     behav_imp_weight_cap: Optional[float] = field(default=5.0, metadata={
         "help": "decoupled PPO: cap on pi_prox / pi_behav per token (None = no cap)"})
     reward: str = field(default="arithmetic", metadata={"help": "reward function (reward registry)"})
-    batch_size: int = field(default=64, metadata={"help": "rollouts (prompts, each a group) per train step"})
+    batch_size: int = field(default=32, metadata={"help": "rollouts (prompts, each a group) per train step"})
     max_tokens_per_mb: int = field(default=8192, metadata={"help": "micro-batch token budget per worker"})
     total_train_epochs: int = field(default=1, metadata={"help": "(unused: the data is a stream)"})
-    max_train_steps: Optional[int] = field(default=500, metadata={"help": "train steps"})
+    max_train_steps: Optional[int] = field(default=120, metadata={"help": "train steps"})
     save_freq_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     eval_freq_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0 = before and after)"})
     eval_n_samples: int = field(default=8, metadata={

@@ -50,6 +50,7 @@ from parallel.pipeline import (
     split_packed,
 )
 from parallel.packing import check_packed
+from realflow.api.padded_partition import padded_partition
 
 __all__ = ["MegatronEngine", "EngineOptimizerConfig", "TokenOutputs", "LossFn"]
 
@@ -170,12 +171,48 @@ class MegatronEngine:
     @torch.no_grad()
     def _infer(self, input_ids: torch.Tensor, seqlens: list[int], max_tokens_per_mb: Optional[int],
                fn: Callable[[TokenOutputs, MicroBatch], Any]) -> list[Any]:
-        """Forward-only schedule; ``fn`` per micro-batch on the last stage ([] elsewhere)."""
+        """Forward-only schedule over contiguous micro-batches; ``fn`` per micro-batch on the
+        last stage ([] elsewhere)."""
         mbs = split_packed(input_ids, seqlens, max_tokens_per_mb)
         self.model.eval()
         return self._runner.run(self.model, mbs,
                                 lambda mb, valid, out: fn(self._token_outputs(valid, out), mb),
                                 forward_only=True, device=self.device)
+
+    @torch.no_grad()
+    def _infer_tokens(self, input_ids: torch.Tensor, seqlens: list[int], max_tokens_per_mb: Optional[int],
+                      fn: Callable[[TokenOutputs, MicroBatch], Any]) -> Any:
+        """Forward-only, ``fn`` returning per-token tensors (or a tuple of them): the packed
+        result in the input's order, on output ranks (None elsewhere).
+
+        Under a budget, sequences of similar length share a micro-batch (each runs padded
+        to its longest; see realflow.api.padded_partition), and the outputs are put back
+        in the input's order.
+        """
+        seqlens = [int(n) for n in seqlens]
+        parts = [list(range(len(seqlens)))] if max_tokens_per_mb is None or not seqlens else \
+            padded_partition([[n] for n in seqlens], 1, max_tokens_per_mb)
+        if len(parts) == 1:
+            return self._packed_result(self._infer(input_ids, seqlens, None, fn))
+        check_packed(input_ids, seqlens)
+        offs = [0]
+        for n in seqlens:
+            offs.append(offs[-1] + n)
+        mbs = [MicroBatch(torch.cat([input_ids[offs[i]:offs[i + 1]] for i in p]), [seqlens[i] for i in p])
+               for p in parts]
+        self.model.eval()
+        outs = self._runner.run(self.model, mbs, lambda mb, valid, out: fn(self._token_outputs(valid, out), mb),
+                                forward_only=True, device=self.device)
+        result = self._packed_result(outs)
+        if result is None:
+            return None
+        where = torch.cat([torch.arange(offs[i], offs[i + 1]) for p in parts for i in p])
+
+        def unpermute(t: torch.Tensor) -> torch.Tensor:
+            back = torch.empty_like(t)
+            back[where.to(t.device)] = t
+            return back
+        return tuple(unpermute(t) for t in result) if isinstance(result, tuple) else unpermute(result)
 
     def _packed_result(self, parts: list[Any]) -> Any:
         if not self.is_output_rank:
@@ -203,7 +240,7 @@ class MegatronEngine:
         def fn(out: TokenOutputs, mb: MicroBatch) -> torch.Tensor:
             return out.values()[:, None] if self.critic else out.logits()
 
-        return self._packed_result(self._infer(input_ids, seqlens, max_tokens_per_mb, fn))
+        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn)
 
     def logprobs(self, input_ids: torch.Tensor, seqlens: list[int],
                  max_tokens_per_mb: Optional[int] = None, *, temperature: float = 1.0,
@@ -226,15 +263,14 @@ class MegatronEngine:
             lp = torch.where(valid, lp, torch.zeros_like(lp))
             return (lp, ent) if with_entropy else lp
 
-        return self._packed_result(self._infer(input_ids, seqlens, max_tokens_per_mb, fn))
+        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn)
 
     def values(self, input_ids: torch.Tensor, seqlens: list[int],
                max_tokens_per_mb: Optional[int] = None) -> Optional[torch.Tensor]:
         """Critic values per token, packed fp32 ``[sum(seqlens)]``, on output ranks."""
         if not self.critic:
             raise TypeError("values() on an LM engine (build it with critic=True)")
-        return self._packed_result(self._infer(input_ids, seqlens, max_tokens_per_mb,
-                                               lambda out, mb: out.values()))
+        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, lambda out, mb: out.values())
 
     @torch.no_grad()
     def greedy_generate(self, prompts: list[list[int]], max_new_tokens: int,

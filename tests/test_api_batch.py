@@ -163,7 +163,9 @@ def test_micro_batches_examples():
     assert sorted(i for p in idx for i in p) == list(range(7))
     big = b.micro_batches(MicroBatchSpec(max_tokens_per_mb=4))  # 3+4 > 4 and the rest exceed it: one each
     assert [m.ids for m in big] == [[i] for i in b.ids]
-    assert [len(m) for m in b.micro_batches(MicroBatchSpec(max_tokens_per_mb=7))] == [2, 1, 1, 1, 1, 1]
+    # the budget counts padded tokens (sequences x longest): 3 and 4 together cost 2 x 4 = 8 > 7
+    assert [len(m) for m in b.micro_batches(MicroBatchSpec(max_tokens_per_mb=7))] == [1] * 7
+    assert [len(m) for m in b.micro_batches(MicroBatchSpec(max_tokens_per_mb=8))][0] == 2
     assert len(b.micro_batches(MicroBatchSpec(n_mbs=3))) == 3
     assert len(b.micro_batches(MicroBatchSpec(n_mbs=100))) == 7
     assert len(b.micro_batches(MicroBatchSpec(n_mbs=5, max_tokens_per_mb=1000))) == 5
@@ -262,3 +264,28 @@ def test_meta_wire_matches_meta_to_wire():
     assert b.meta_wire() == b.meta().to_wire()
     with pytest.raises(BatchError, match="not a plain msgpack type"):
         SequenceBatch.from_samples(["a"], {"x": [torch.arange(3)]}, metadata={"m": [torch.zeros(1)]}).meta_wire()
+
+
+def test_micro_batches_group_similar_lengths_within_the_padded_budget():
+    """Long-tailed lengths: micro-batches of similar lengths compute far fewer padded tokens
+    than one block, every micro-batch within the budget, every sample exactly once."""
+    import random
+
+    from realflow.api.padded_partition import padded_cost, padded_partition
+
+    rng = random.Random(0)
+    # a sample: one sequence, or a group of answers to one problem (similar lengths)
+    bases = [rng.choice([12, 14, 16, 20, 24, 30, 45, 60, 90]) for _ in range(64)]
+    groups = [[base + rng.randint(0, 4) for _ in range(rng.choice([1, 8]))] for base in bases]
+    lens = [list(g) for g in groups]
+    budget = 8192
+    parts = padded_partition(lens, 1, budget)
+    assert sorted(i for p in parts for i in p) == list(range(64))
+    assert all(padded_cost(lens, p) <= budget or len(p) == 1 for p in parts)
+    assert all(p == sorted(p) for p in parts) and [p[0] for p in parts] == sorted(p[0] for p in parts)
+    one_block = padded_cost(lens, range(64))
+    assert sum(padded_cost(lens, p) for p in parts) < 0.7 * one_block
+    assert len(padded_partition(lens, 40, budget)) >= 40  # n_mbs is a minimum
+    b = make_batch(groups, with_logp=False)
+    mbs = b.micro_batches(MicroBatchSpec(max_tokens_per_mb=budget))
+    assert SequenceBatch.gather(mbs).select_ids(b.ids).equal(b)

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from realflow.api.padded_partition import padded_partition
 from realflow.api.registry import did_you_mean
 
 __all__ = ["BatchError", "MicroBatchSpec", "SequenceBatch"]
@@ -39,8 +40,9 @@ class MicroBatchSpec:
     """How an MFC cuts its batch into micro-batches.
 
     ``n_mbs`` is the minimum number of micro-batches (when there are at least
-    that many samples); ``max_tokens_per_mb`` caps the tokens per micro-batch
-    (a single sample larger than the cap still gets its own micro-batch).
+    that many samples); ``max_tokens_per_mb`` caps the *padded* tokens per
+    micro-batch, sequences x longest, which is what a micro-batch computes (a
+    single sample larger than the cap still gets its own micro-batch).
     """
 
     n_mbs: int = 1
@@ -522,12 +524,18 @@ class SequenceBatch:
 
     def micro_batches_with_index(self, spec: MicroBatchSpec, key: str = "packed_input_ids") -> tuple[list["SequenceBatch"], list[list[int]]]:
         """Like :meth:`micro_batches`, also returning each part's sample positions in ``self``."""
-        parts = _pack_partition(self.sample_tokens(key), spec.n_mbs, spec.max_tokens_per_mb)
+        self._require_key(key)
+        if spec.max_tokens_per_mb is None:
+            parts = _pack_partition(self.sample_tokens(key), spec.n_mbs, None)
+        else:  # micro-batches run padded: group similar lengths under the padded budget
+            parts = padded_partition(self.seqlens[key], spec.n_mbs, spec.max_tokens_per_mb)
         return [self._select_positions(p) for p in parts], parts
 
     def micro_batches(self, spec: MicroBatchSpec, key: str = "packed_input_ids") -> list["SequenceBatch"]:
-        """Cut into micro-batches: greedy packing under ``spec.max_tokens_per_mb`` (if set),
-        at least ``min(spec.n_mbs, len(self))`` parts; no sample is ever dropped."""
+        """Cut into micro-batches: with ``spec.max_tokens_per_mb``, similar lengths together so
+        that each runs padded (sequences x longest) within it (:mod:`realflow.api.padded_partition`);
+        without, token-balanced parts. At least ``min(spec.n_mbs, len(self))`` parts; no sample
+        is ever dropped."""
         return self.micro_batches_with_index(spec, key)[0]
 
     # ---- wire format --------------------------------------------------------------------------

@@ -179,7 +179,7 @@ class AsyncGRPOMathConfig(_AsyncBase):
     batch_size: int = field(default=32, metadata={"help": "rollouts (prompts, each a group) per train step"})
     max_tokens_per_mb: int = field(default=8192, metadata={"help": "micro-batch token budget per worker"})
     total_train_epochs: int = field(default=1, metadata={"help": "(unused: the data is a stream)"})
-    max_train_steps: Optional[int] = field(default=120, metadata={"help": "train steps"})
+    max_train_steps: Optional[int] = field(default=200, metadata={"help": "train steps"})
     save_freq_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     eval_freq_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0 = before and after)"})
     eval_n_samples: int = field(default=8, metadata={

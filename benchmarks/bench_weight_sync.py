@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict
 
@@ -40,24 +39,9 @@ HUNDRED_M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, 
 
 
 def _server(path: str) -> tuple[str, subprocess.Popen]:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "realflow.rollout.gen_server", "--model", path, "--backend",
-                             "builtin", "--import", "parallel.generation", "--port", "0", "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
-    ready: list[str] = []
+    from realflow.rollout.local_server import start_local_gen_server
 
-    def read() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            if line.startswith("READY "):
-                ready.append(line.split()[1])
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 180
-    while not ready:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("gen server did not start")
-        time.sleep(0.1)
-    return ready[0], proc
+    return start_local_gen_server(path, timeout_s=180)
 
 
 def measure(name: str, arch: dict, rounds: int, disk_dir: str | None) -> tuple[float, float]:

@@ -71,36 +71,18 @@ def etcd_server(tmp_path_factory):
 def start_gen_server(tmp_path_factory):
     """``start(model_path, *extra_args, env=None) -> (url, process)``: a real gen server process
     (builtin engine, one thread, any free port); every one started is killed with the module."""
-    import sys
-    import threading
+    from realflow.rollout.local_server import start_local_gen_server
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     procs: list[subprocess.Popen] = []
 
     def start(model_path: str, *extra: str, env: dict | None = None) -> tuple[str, subprocess.Popen]:
         log_path = tmp_path_factory.mktemp("gen_server") / "server.log"
-        log = open(log_path, "w")
-        full_env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1", **(env or {}))
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "realflow.rollout.gen_server", "--model", model_path, "--backend", "builtin",
-             "--import", "parallel.generation", "--port", "0", "--threads", "1", *extra],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=full_env, cwd=root)
+        try:
+            url, proc = start_local_gen_server(model_path, *extra, log_path=str(log_path), env=env, timeout_s=90)
+        except RuntimeError as e:
+            pytest.fail(str(e))
         procs.append(proc)
-        ready: list[str] = []
-
-        def read() -> None:
-            for line in proc.stdout:  # type: ignore[union-attr]
-                if line.startswith("READY "):
-                    ready.append(line.split()[1])
-
-        threading.Thread(target=read, daemon=True).start()
-        deadline = time.monotonic() + 90
-        while not ready:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"gen server did not start within 90s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.1)
-        return ready[0], proc
+        return url, proc
 
     yield start
     for p in procs:

@@ -23,7 +23,7 @@ from realflow.api.interface import make_interface
 from realflow.api.mfc import MFCDef, ModelInterfaceType
 from realflow.base import names
 from realflow.base.logging import get_logger
-from realflow.base.network import find_free_port, host_address
+from realflow.base.network import host_address
 from realflow.base.seeding import set_seed
 from realflow.base.trace import Tracer
 from realflow.comm import shm
@@ -70,6 +70,7 @@ class ModelWorker:
         self.inbox: TrajectoryInbox | None = None
         self._wpool: shm.ShmPool | None = None  # for publish_weights (asynchronous runs)
         self._sender: WeightSender | None = None  # broadcasts to servers on other hosts
+        self._store_socket: socket.socket | None = None  # worker 0: the rendezvous store's listener
         if setup.rollout is not None:  # asynchronous PPO: rollouts arrive here, not from a data set
             if secret is None:
                 raise ValueError("an asynchronous run's model worker needs the experiment secret")
@@ -290,18 +291,22 @@ class ModelWorker:
         if dist.is_initialized():
             return
         key = names.distributed_address(self.setup.experiment_name, self.setup.trial_name)
+        timeout = datetime.timedelta(seconds=self.setup.setup_timeout_s)
         if self.index == 0:
-            addr = f"{host_address()}:{find_free_port()}"
-            self.resolver.add(key, addr, replace=True)
+            # the rendezvous store listens on our address only (a socket we bind and hand to it;
+            # TCPStore by itself would listen on every interface, unauthenticated)
+            self._store_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._store_socket.bind((host_address(), 0))
+            self._store_socket.listen(128)
+            host, port = self._store_socket.getsockname()[:2]
+            store = dist.TCPStore(host, port, self.setup.n_workers, True, timeout=timeout,
+                                  wait_for_workers=False, master_listen_fd=self._store_socket.fileno())
+            self.resolver.add(key, f"{host}:{port}", replace=True)
         else:
-            addr = self.resolver.wait(key, timeout=self.setup.setup_timeout_s)
-        dist.init_process_group(
-            backend="gloo",
-            init_method=f"tcp://{addr}",
-            rank=self.index,
-            world_size=self.setup.n_workers,
-            timeout=datetime.timedelta(seconds=self.setup.setup_timeout_s),
-        )
+            host, port = self.resolver.wait(key, timeout=self.setup.setup_timeout_s).rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), self.setup.n_workers, False, timeout=timeout)
+        dist.init_process_group(backend="gloo", store=store, rank=self.index,
+                                world_size=self.setup.n_workers, timeout=timeout)
 
     def _load_data(self) -> int:
         roles = self.plan.role_home

@@ -23,6 +23,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from realflow.comm.tcp_store import host_tcp_store
+
 __all__ = ["GroupSpec", "TensorMeta", "WeightGroup", "WeightBroadcastError", "open_store", "close_store"]
 
 
@@ -163,24 +165,20 @@ class WeightGroup:
 def open_store(spec: GroupSpec, rank: int) -> dist.TCPStore:
     """The group's rendezvous store: hosted by the writer (returns at once), joined by receivers.
 
-    The writer listens on ``spec.address`` only (a socket it binds itself and hands to the
-    store; TCPStore alone would listen on every interface) and fills in ``spec.port``.
+    The writer listens on ``spec.address`` only (see realflow.comm.tcp_store) and fills in
+    ``spec.port``.
     """
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     try:
         if rank != 0:
             return dist.TCPStore(spec.address, spec.port, spec.world_size, False, timeout=timeout)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind((spec.address, 0))
-        sock.listen(128)
-        spec.port = sock.getsockname()[1]
-        store = dist.TCPStore(spec.address, spec.port, spec.world_size, True, timeout=timeout,
-                              wait_for_workers=False, master_listen_fd=sock.fileno())
-        _LISTENERS[id(store)] = sock  # the store serves on this socket's descriptor: keep it open
-        return store
+        store, sock = host_tcp_store(spec.address, spec.world_size, timeout)
     except (RuntimeError, OSError) as e:
         raise WeightBroadcastError(f"{spec.describe()}: rank {rank} could not reach the rendezvous store: "
                                    f"{_first_line(e)}") from None
+    spec.port = sock.getsockname()[1]
+    _LISTENERS[id(store)] = sock  # the store serves on this socket's descriptor: keep it open
+    return store
 
 
 _LISTENERS: dict[int, socket.socket] = {}

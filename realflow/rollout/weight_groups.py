@@ -11,6 +11,7 @@ catch up at the next round, in the next generation, without the dead one.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any, Optional
 
@@ -92,8 +93,6 @@ class WeightGroups:
                     ) -> dict[str, Any]:
         """One call per server with its own body, concurrently; errors come back as values
         (a server that refuses is not marked lost: its peers' failure may be the cause)."""
-        import asyncio
-
         async def one(s: ServerState, body: dict) -> Any:
             try:
                 return await self.pool.call(s, endpoint, body, timeout)

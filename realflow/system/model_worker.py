@@ -28,6 +28,7 @@ from realflow.base.seeding import set_seed
 from realflow.base.trace import Tracer
 from realflow.comm import shm
 from realflow.comm.rpc import ReplyThen
+from realflow.comm.tcp_store import host_tcp_store
 from realflow.system.data_manager import DataManager
 from realflow.system.data_stream import ShardStream
 from realflow.system.model_store import ModelStore
@@ -293,14 +294,9 @@ class ModelWorker:
         key = names.distributed_address(self.setup.experiment_name, self.setup.trial_name)
         timeout = datetime.timedelta(seconds=self.setup.setup_timeout_s)
         if self.index == 0:
-            # the rendezvous store listens on our address only (a socket we bind and hand to it;
-            # TCPStore by itself would listen on every interface, unauthenticated)
-            self._store_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self._store_socket.bind((host_address(), 0))
-            self._store_socket.listen(128)
+            # the rendezvous store listens on our address only, not on every interface
+            store, self._store_socket = host_tcp_store(host_address(), self.setup.n_workers, timeout)
             host, port = self._store_socket.getsockname()[:2]
-            store = dist.TCPStore(host, port, self.setup.n_workers, True, timeout=timeout,
-                                  wait_for_workers=False, master_listen_fd=self._store_socket.fileno())
             self.resolver.add(key, f"{host}:{port}", replace=True)
         else:
             host, port = self.resolver.wait(key, timeout=self.setup.setup_timeout_s).rsplit(":", 1)

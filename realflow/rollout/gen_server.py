@@ -286,7 +286,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
         body = {"status": "ok" if alive else "dead", "paused": server.paused,
                 "weight_version": server.backend.weight_version, "last_step_error": server.step_error,
                 "weight_staging": server.can_stage, "hostname": socket.gethostname(),
-                "weight_group": server.weight_group_name()}
+                "weight_group": server.weight_group}
         return web.json_response(body, status=200 if alive else 503)
 
     async def model_info(request: web.Request) -> web.Response:

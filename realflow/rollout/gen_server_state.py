@@ -134,6 +134,7 @@ class GenServer:
         # staging builds new weights beside the backend's (no backend lock): one at a time
         self.stage_lock = threading.Lock()
         self.can_stage = callable(getattr(backend, "stage_weights_from_tensors", None))
+        self.weight_group: Optional[str] = None  # the weight-broadcast group joined (gen_server_weight_group)
         self._plock = threading.Lock()  # guards self.pending and result delivery
         self.wake = threading.Event()
         self.stopping = threading.Event()

@@ -34,20 +34,22 @@ logger = logging.getLogger("realflow.gen_server")
 class _GroupSlot:
     """The one weight group a server is in (a new init replaces it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, server: GenServer) -> None:
+        self.server = server
         self.group: Optional[WeightGroup] = None
         self.lock = threading.Lock()  # one join or one receive at a time
 
     def replace(self, new: Optional[WeightGroup]) -> None:
         old, self.group = self.group, new
+        self.server.weight_group = None if new is None else new.spec.name
         if old is not None:
             old.close()
 
 
-def weight_group_routes(server: GenServer, json_body: Any, version_of: Any, bind_host: str) -> list:
-    """Routes for ``build_app``; ``json_body``/``version_of`` are its body parsers."""
-    slot = _GroupSlot()
-    server.weight_group_name = lambda: None if slot.group is None else slot.group.spec.name  # type: ignore[attr-defined]
+def weight_group_routes(server: GenServer, json_body: Any, version_of: Any, bind_host: str
+                        ) -> tuple[list, Any]:
+    """``(routes, on_cleanup)`` for ``build_app``; ``json_body``/``version_of`` are its body parsers."""
+    slot = _GroupSlot(server)
 
     async def init_group(request: web.Request) -> web.Response:
         body = await json_body(request)

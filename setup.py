@@ -31,6 +31,7 @@ setup(
         "matplotlib>=3.7",
         "math-verify>=0.7",
         "requests>=2.28",
+        "redis>=5",
         "aiohttp>=3.9",
         "einops>=0.7",
     ],

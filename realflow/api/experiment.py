@@ -132,10 +132,10 @@ class ExperimentSetup:
 class NameResolveConfig:
     """Where processes of a run find each other (DESIGN §4, Discovery)."""
 
-    type: str = field(default="file", metadata={"help": "file | etcd"})
+    type: str = field(default="file", metadata={"help": "file | etcd | redis"})
     root: str = field(default="", metadata={"help": "file backend directory ('' = <fileroot>/name_resolve)"})
-    host: str = field(default="127.0.0.1", metadata={"help": "etcd host"})
-    port: int = field(default=2379, metadata={"help": "etcd client port"})
+    host: str = field(default="127.0.0.1", metadata={"help": "etcd or redis host"})
+    port: int = field(default=0, metadata={"help": "etcd or redis port (0 = the backend's default: 2379 etcd, 6379 redis)"})
 
 
 @dataclass

@@ -1,12 +1,13 @@
 """Name resolution: how realflow processes find each other.
 
 Workers publish their addresses under well-known keys (see ``realflow.base.names``)
-and others look them up or wait for them. Two backends share one interface:
+and others look them up or wait for them. Three backends share one interface:
 
 * ``FileNameResolver`` (default) - a directory of small files; one host, or several
   hosts over a shared file system. No daemon to run.
 * ``EtcdNameResolver`` - an etcd v3 cluster, for multi-node jobs without a shared
   file system.
+* ``RedisNameResolver`` - a Redis server, for the same jobs where a Redis is at hand.
 
 Liveness: a key added with a ``ttl`` is kept alive by a background refresher in the
 process that added it. When that process dies, nobody refreshes the key and it
@@ -16,7 +17,7 @@ effect on purpose, so that a clean shutdown looks the same as a crash to readers
 
 Keys are '/'-separated paths of simple components (letters, digits and ``_-.:=+@,``),
 e.g. ``realflow/my_exp/trial0/workers/model/3``. Values are strings. Never store
-secrets here: anyone who can read the directory or the etcd cluster reads them.
+secrets here: anyone who can read the directory or the etcd/Redis server reads them.
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def in_subtree(key: str, prefix: str) -> bool:
 
 @dataclasses.dataclass
 class _Owned:
-    handle: Any  # backend-specific: file owner token, etcd lease id
+    handle: Any  # backend-specific: file owner token, etcd lease id, redis record
     ttl: float
 
 
@@ -346,16 +347,17 @@ class NameResolver(abc.ABC):
 class NameResolveConfig:
     """Which name-resolution backend to use.
 
-    type: 'file' (a directory; default) or 'etcd'.
+    type: 'file' (a directory; default), 'etcd' or 'redis'.
     root: directory of the file backend; empty means $REALFLOW_NAME_RESOLVE_ROOT or
           /tmp/realflow-<user>/name_resolve.
-    host, port: etcd client endpoint (etcd backend only).
+    host, port: etcd or redis server (those backends only); port 0 means the
+          backend's usual port (etcd 2379, redis 6379).
     """
 
     type: str = "file"
     root: str = ""
     host: str = "127.0.0.1"
-    port: int = 2379
+    port: int = 0
 
 
 def default_file_root() -> str:
@@ -385,15 +387,26 @@ def make_name_resolver(config: NameResolveConfig | Mapping[str, Any] | None = No
     if config.type == "etcd":
         from realflow.base.name_resolve_etcd import EtcdNameResolver
 
-        return EtcdNameResolver(config.host, int(config.port))
+        return EtcdNameResolver(config.host, _port(config, 2379))
+    if config.type == "redis":
+        from realflow.base.name_resolve_redis import RedisNameResolver
+
+        return RedisNameResolver(config.host, _port(config, 6379))
     raise NameResolveError(
-        f"name_resolve.type={config.type!r} is not a known backend; choose 'file' or 'etcd'"
+        f"name_resolve.type={config.type!r} is not a known backend; choose 'file', 'etcd' or 'redis'"
     )
+
+
+def _port(config: NameResolveConfig, default: int) -> int:
+    port = int(config.port) or default
+    if not 0 < port < 65536:
+        raise NameResolveError(f"name_resolve.port={config.port!r} is not a TCP port (0 = {default})")
+    return port
 
 
 def __getattr__(name: str) -> Any:
     # Backends live in their own modules; import lazily so that 'file' users never
-    # import requests, and so that the backends can import this module freely.
+    # import requests or redis, and so that the backends can import this module freely.
     if name == "FileNameResolver":
         from realflow.base.name_resolve_file import FileNameResolver
 
@@ -402,11 +415,15 @@ def __getattr__(name: str) -> Any:
         from realflow.base.name_resolve_etcd import EtcdNameResolver
 
         return EtcdNameResolver
+    if name == "RedisNameResolver":
+        from realflow.base.name_resolve_redis import RedisNameResolver
+
+        return RedisNameResolver
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "NameResolver", "NameResolveError", "NameNotFound", "NameExists", "NameWaitTimeout",
     "NameResolveConfig", "make_name_resolver", "normalize_key", "in_subtree",
-    "FileNameResolver", "EtcdNameResolver", "default_file_root",
+    "FileNameResolver", "EtcdNameResolver", "RedisNameResolver", "default_file_root",
 ]

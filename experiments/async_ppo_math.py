@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from experiments.ppo_math import PPOHyperConfig, RLDataConfig, RLModelConfig, _RLBase
-from experiments.sft import _asdict
+
 from graphs.async_ppo import AsyncPPOGraphConfig
 from graphs.ppo import ACTOR, REF
 from realflow.api.agent import agent_registry
@@ -144,8 +144,7 @@ class _AsyncBase(_RLBase):
             total_train_epochs=self.total_train_epochs, max_train_steps=self.max_train_steps,
             save_freq_steps=self.save_freq_steps,
             eval=self._eval_spec(test, data_args),
-            seed=self.seed, name_resolve=_asdict(self.name_resolve), worker_threads=self.worker_threads,
-            trace=self.trace, rollout=spec)
+            **self.runtime_fields(), rollout=spec)
 
     @staticmethod
     def n_train_workers(train_alloc: str) -> int:

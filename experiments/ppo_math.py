@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from experiments.sft import _asdict
+
 from experiments.tasks.registry import get_task
 from graphs.ppo import ACTOR, CRITIC, REF, REWARD, PPOGraphConfig
 from realflow.api.batch import MicroBatchSpec
@@ -155,8 +155,7 @@ class _RLBase(BaseExperimentConfig):
             run_dir=self.run_dir(self._name), total_train_epochs=self.total_train_epochs,
             max_train_steps=self.max_train_steps, save_freq_steps=self.save_freq_steps,
             eval=self._eval_spec(test, data_args),
-            seed=self.seed, name_resolve=_asdict(self.name_resolve), worker_threads=self.worker_threads,
-            trace=self.trace,
+            **self.runtime_fields(),
         )
 
     def _eval_spec(self, test: str, data_args: dict[str, Any]) -> EvalSpec:

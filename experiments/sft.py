@@ -132,14 +132,5 @@ class SFTConfig(BaseExperimentConfig):
                 interface_args={"eval_max_new_tokens": self.eval_max_new_tokens},
                 freq_steps=self.eval_freq_steps,
             ),
-            seed=self.seed,
-            name_resolve=_asdict(self.name_resolve),
-            worker_threads=self.worker_threads,
-            trace=self.trace,
+            **self.runtime_fields(),
         )
-
-
-def _asdict(obj) -> dict:
-    from dataclasses import asdict
-
-    return asdict(obj)

@@ -96,6 +96,19 @@ class MegatronBackend:
         reload(engine.module, getattr(engine, "_realflow_offload", None))
         engine._realflow_offload = None
 
+    # ---- recover points ---------------------------------------------------------------------------
+
+    def local_state(self, engine: MegatronEngine) -> dict[str, Any]:
+        """This rank's exact training state of ``engine`` (see :mod:`parallel.engine_state`)."""
+        from parallel.engine_state import engine_local_state
+
+        return engine_local_state(engine)
+
+    def load_local_state(self, engine: MegatronEngine, state: dict[str, Any]) -> None:
+        from parallel.engine_state import load_engine_local_state
+
+        load_engine_local_state(engine, state)
+
     # ---- plan-time checks (realflow.api.backend.ModelBackend, optional methods) ----------------
 
     def check_layout(self, spec: Any, strategy: ParallelStrategy, trained: bool,

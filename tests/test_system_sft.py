@@ -70,7 +70,7 @@ def test_sft_through_launcher_lowers_loss_and_saves_loadable_checkpoint(tmp_path
 
 @pytest.mark.timeout(300)
 def test_worker_death_stops_everything_and_names_the_worker(tmp_path):
-    cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={tmp_path}", *SMALL, "max_train_steps=100000"]
+    cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={tmp_path}", *SMALL, "max_train_steps=100000", "recover_mode=off"]
     console = tmp_path / "console.txt"
     with open(console, "w") as out_f:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out_f, stderr=subprocess.STDOUT, text=True)

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from realflow.api.deploy import DeploySpec, RayConfig, RecoverSpec, SlurmConfig
 from realflow.api.mfc import MFCDef
 from realflow.api.rollout import RolloutSpec
 from realflow.api.registry import Registry
@@ -107,8 +108,10 @@ class ExperimentSetup:
     worker_threads: int = 1
     setup_timeout_s: float = 600.0
     mfc_timeout_s: float = 1800.0
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = 3.0
     trace: bool = True
+    deploy: DeploySpec = field(default_factory=DeploySpec)
+    recover: RecoverSpec = field(default_factory=lambda: RecoverSpec(mode="off"))
     rollout: Optional["RolloutSpec"] = None  # set: asynchronous PPO (trajectories come from the rollout side)
 
     def name_resolve_config(self) -> dict[str, Any]:
@@ -156,6 +159,37 @@ class BaseExperimentConfig:
     worker_threads: int = field(default=1, metadata={"help": "torch threads per model worker process"})
     trace: bool = field(default=True, metadata={"help": "write a Perfetto/Chrome timeline trace per process"})
     name_resolve: NameResolveConfig = field(default_factory=NameResolveConfig)
+    launcher: str = field(default="local", metadata={"help": "local | slurm | ray: where the processes run"})
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    heartbeat_timeout_s: float = field(default=3.0, metadata={
+        "help": "a worker silent this long (heartbeats are sent every second) is declared lost"})
+    recover_mode: str = field(default="auto", metadata={
+        "help": "auto: write recover points, resume from the last one, relaunch after a fault | "
+                "resume: the same without relaunching | off: neither write nor resume"})
+    recover_freq_steps: int = field(default=0, metadata={"help": "a recover point every N steps (0 = by time only)"})
+    recover_freq_seconds: float = field(default=600.0, metadata={
+        "help": "a recover point once this many seconds passed since the last (0 = by steps only)"})
+    recover_retries: int = field(default=3, metadata={"help": "relaunches after faults (recover_mode=auto)"})
+    recover_keep: int = field(default=2, metadata={"help": "recover points kept; older ones are deleted"})
+
+    def __post_init__(self) -> None:
+        self.runtime_fields()  # a bad launcher / recover / heartbeat value fails where it is set
+
+    def runtime_fields(self) -> dict[str, Any]:
+        """The :class:`ExperimentSetup` fields every experiment takes from these common settings."""
+        if self.heartbeat_timeout_s <= 1.0:
+            raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be > 1 (beats come every second)")
+        if self.worker_threads < 1:
+            raise ValueError(f"worker_threads={self.worker_threads} must be >= 1")
+        return dict(
+            seed=self.seed, name_resolve=dataclasses.asdict(self.name_resolve), worker_threads=self.worker_threads,
+            trace=self.trace, heartbeat_timeout_s=self.heartbeat_timeout_s,
+            deploy=DeploySpec(launcher=self.launcher, slurm=self.slurm, ray=self.ray),
+            recover=RecoverSpec(mode=self.recover_mode, freq_steps=self.recover_freq_steps,
+                                freq_seconds=self.recover_freq_seconds, retries=self.recover_retries,
+                                keep=self.recover_keep),
+        )
 
     def run_dir(self, default_name: str) -> str:
         import os

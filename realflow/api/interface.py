@@ -70,6 +70,23 @@ class ModelInterface:
     def save(self, model: Model, save_dir: str) -> None:
         raise self._missing("save")
 
+    def state_dict(self) -> dict[str, Any]:
+        """What this interface keeps between calls, for recover points (a resumed run must
+        continue e.g. a step counter that seeds mini-batch shuffling).
+
+        Default: every instance attribute that holds a plain number, string or bool and is
+        not a constructor argument (those come from the config again), such as ``_step``.
+        Override both methods if an interface keeps richer state.
+        """
+        init = set(_accepted_args(type(self))[0])
+        return {k: v for k, v in vars(self).items()
+                if k not in init and isinstance(v, (int, float, str, bool)) and not isinstance(v, type)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        for k, v in state.items():
+            setattr(self, k, v)
+
     def _missing(self, method: str) -> NotImplementedError:
         return NotImplementedError(
             f"interface {type(self).__name__} does not implement {method}(); "

@@ -97,12 +97,52 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
     except PreflightError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return launch_local(experiment, imports, overrides, setup, merged_console=console)
+    return launch(experiment, imports, overrides, setup, merged_console=console)
 
 
-def launch_local(experiment: str, imports: list[str], overrides: list[str], setup, merged_console: bool = False) -> int:
-    """Run master + model workers as local processes until the master finishes."""
-    from realflow.scheduler.local import LocalScheduler
+def launch(experiment: str, imports: list[str], overrides: list[str], setup, merged_console: bool = False) -> int:
+    """Run the experiment's processes through its launcher until the master finishes.
+
+    With ``recover_mode=auto`` a fault (a worker killed or lost, not an error in the
+    experiment's own code) tears the job down and relaunches it, up to ``recover_retries``
+    times; the master of the new attempt resumes from the last recover point.
+    """
+    from realflow.system.recover import RecoverPoints
+
+    from realflow.system.recover import RecoverError
+
+    os.makedirs(setup.run_dir, exist_ok=True)
+    points = RecoverPoints(setup)
+    try:
+        point = points.resume_point()
+    except RecoverError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if point is not None:
+        print(f"resuming from the recover point of step {point.step}: {point.path} "
+              "(recover_mode=off starts from scratch)", flush=True)
+    attempt = 0
+    while True:
+        rc, fault = _run_attempt(experiment, imports, overrides, setup, merged_console, attempt)
+        if rc == 0 or fault is None:
+            return rc
+        retries = setup.recover.retries
+        if setup.recover.mode != "auto" or attempt >= retries:
+            if setup.recover.mode == "auto":
+                print(f"error: giving up after {retries} relaunches (recover_retries={retries})", file=sys.stderr)
+            return rc
+        attempt += 1
+        latest = points.latest()
+        where = f"recover point of step {latest.step}" if latest else "the start (no recover point yet)"
+        print(f"fault: {fault}; relaunching ({attempt}/{retries}) from {where}", file=sys.stderr, flush=True)
+
+
+def _run_attempt(experiment: str, imports: list[str], overrides: list[str], setup, merged_console: bool,
+                 attempt: int) -> tuple[int, Optional[str]]:
+    """One launch of every process; returns (exit code, the fault that ended it or None)."""
+    from realflow.base import names
+    from realflow.base.name_resolve import make_name_resolver
+    from realflow.scheduler import make_scheduler
 
     for stale in ("name_resolve", "progress.jsonl", "trace"):
         path = os.path.join(setup.run_dir, stale)
@@ -110,48 +150,72 @@ def launch_local(experiment: str, imports: list[str], overrides: list[str], setu
             shutil.rmtree(path)
         elif os.path.exists(path):
             os.remove(path)
-    os.makedirs(setup.run_dir, exist_ok=True)
-    log_dir = os.path.join(setup.run_dir, "logs")
+    resolver = make_name_resolver(setup.name_resolve_config())  # a dead attempt's names must not be found
+    resolver.clear_subtree(names.trial_root(setup.experiment_name, setup.trial_name))
+    log_dir = os.path.join(setup.run_dir, "logs" if attempt == 0 else f"logs/retry{attempt}")
+    requests = worker_requests(experiment, imports, overrides, setup)
+    sched = make_scheduler(setup.deploy, log_dir, merged_console,
+                           job_name=f"realflow:{setup.experiment_name}:{setup.trial_name}")
+    print(f"run directory: {setup.run_dir}  (logs: {log_dir})", flush=True)
+    try:
+        sched.start(requests)
+        view = ConsoleView(setup.run_dir)
+        return _follow(sched, view, setup)
+    finally:
+        sched.close()
+        # segments a dead consumer never mapped would otherwise outlive the run
+        shm.cleanup_segments(shm.segment_prefix(setup.experiment_name, setup.trial_name))
+        resolver.clear_subtree(names.trial_root(setup.experiment_name, setup.trial_name))
+        resolver.close()
+
+
+def worker_requests(experiment: str, imports: list[str], overrides: list[str], setup) -> list:
+    """Every process of the run: master, model workers and, for asynchronous runs, the
+    generation servers (expendable: the controller fails over), the rollout controller and
+    the rollout workers (services: stopped once the master is done)."""
+    from realflow.scheduler import WorkerRequest
+
     env = {"REALFLOW_SECRET": new_secret().hex()}
+    if setup.deploy.cluster:  # bind and advertise the node's address, not loopback
+        env["REALFLOW_CLUSTER"] = "1"
     common = ["--experiment", experiment]
     for mod in BUILTIN_MODULES + imports:
         common += ["--import", mod]
-    # default console: a progress bar and the master's events; --console: every process's log lines, merged
-    sched = LocalScheduler(log_dir, console=merged_console)
     entry = [sys.executable, "-m", "realflow.system.worker_main"]
-    print(f"run directory: {setup.run_dir}  (logs: {log_dir})", flush=True)
-    sched.submit("master", entry + ["--role", "master"] + common + ["--"] + overrides, env=env, n_threads=1)
+    reqs = [WorkerRequest("master", entry + ["--role", "master"] + common + ["--"] + overrides, env,
+                          n_threads=1, kind="master")]
     for i in range(setup.n_workers):
         argv = entry + ["--role", "model_worker", "--index", str(i)] + common + ["--"] + overrides
-        sched.submit(f"model_worker/{i}", argv, env=env, n_threads=setup.worker_threads)
-    if setup.rollout is not None:
-        submit_rollout_side(sched, setup, common, overrides, env)
-    view = ConsoleView(setup.run_dir)
-    try:
-        return _follow(sched, view, setup)
-    finally:  # segments a dead consumer never mapped would otherwise outlive the run
-        shm.cleanup_segments(shm.segment_prefix(setup.experiment_name, setup.trial_name))
-
-
-def submit_rollout_side(sched, setup, common: list[str], overrides: list[str], env: dict[str, str]) -> None:
-    """Generation servers (expendable: the controller fails over), the rollout controller and the
-    rollout workers (services: stopped once the master is done) of an asynchronous run."""
+        reqs.append(WorkerRequest(f"model_worker/{i}", argv, env, n_threads=setup.worker_threads,
+                                  kind="model_worker", gpus=1 if setup.deploy.slurm.gpus_per_node else 0))
     spec = setup.rollout
-    entry = [sys.executable, "-m", "realflow.rollout.main"]
+    if spec is not None:
+        rentry = [sys.executable, "-m", "realflow.rollout.main"]
 
-    def argv(role: str, i: int) -> list[str]:
-        return entry + ["--role", role, "--index", str(i)] + common + ["--"] + overrides
+        def argv(role: str, i: int) -> list[str]:
+            return rentry + ["--role", role, "--index", str(i)] + common + ["--"] + overrides
 
-    for i in range(spec.n_servers):
-        sched.submit(f"gen_server/{i}", argv("gen_server", i), env=env, n_threads=spec.server_tp * setup.worker_threads,
-                     expendable=True)
-    sched.submit("rollout_controller", argv("rollout_controller", 0), env=env, n_threads=1, service=True)
-    for i in range(spec.n_rollout_workers):
-        sched.submit(f"rollout_worker/{i}", argv("rollout_worker", i), env=env, n_threads=1, service=True)
+        for i in range(spec.n_servers):
+            reqs.append(WorkerRequest(f"gen_server/{i}", argv("gen_server", i), env,
+                                      n_threads=spec.server_tp * setup.worker_threads, kind="gen_server",
+                                      gpus=spec.server_tp if setup.deploy.slurm.gpus_per_node else 0,
+                                      expendable=True))
+        reqs.append(WorkerRequest("rollout_controller", argv("rollout_controller", 0), env, n_threads=1,
+                                  kind="rollout", service=True))
+        for i in range(spec.n_rollout_workers):
+            reqs.append(WorkerRequest(f"rollout_worker/{i}", argv("rollout_worker", i), env, n_threads=1,
+                                      kind="rollout", service=True))
+    return reqs
 
 
-def _follow(sched, view: "ConsoleView", setup) -> int:
-    from realflow.scheduler.local import WorkerFailed
+def _follow(sched, view: "ConsoleView", setup) -> tuple[int, Optional[str]]:
+    """Follow the run until it ends: (exit code, the fault that ended it, if it was one).
+
+    A fault is something a relaunch can fix: a worker killed by a signal or declared lost
+    by the master. An error raised by the experiment's own code would happen again, so it
+    is not one.
+    """
+    from realflow.scheduler.local import WorkerFailed, describe_exit
 
     try:
         while not sched.wait(timeout=0.5):
@@ -160,20 +224,26 @@ def _follow(sched, view: "ConsoleView", setup) -> int:
     except WorkerFailed as e:
         view.refresh()
         view.close()
+        killed = {n: rc for n, rc in e.returncodes.items() if rc < 0}
+        fault = None
+        if killed:
+            fault = "; ".join(f"worker '{n}' {describe_exit(rc)}" for n, rc in killed.items())
+        elif view.follower.error and view.follower.error_is_fault:
+            fault = view.follower.error
         if view.follower.error:  # the master named the culprit; the log tail has the details
             print(f"error: {view.follower.error}", file=sys.stderr)
             print(f"(details: {e.log_path})", file=sys.stderr)
         else:
             print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 1, fault
     except KeyboardInterrupt:
         view.close()
         print("interrupted: stopping all processes", file=sys.stderr)
         sched.stop_all()
-        return 130
+        return 130, None
     view.close()
     _print_summary(view.follower.summary, setup.run_dir)
-    return 0 if view.follower.summary is not None else 1
+    return (0 if view.follower.summary is not None else 1), None
 
 
 _SHOWN = ("/loss", "/lr", "/grad_norm", "/reward", "/accuracy")

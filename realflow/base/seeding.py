@@ -77,3 +77,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def get_rng_state_plain() -> dict[str, Any]:
+    """``get_rng_state`` with numpy's key array as a list, so the whole state loads with
+    ``torch.load(weights_only=True)`` (recover points unpickle no arbitrary objects)."""
+    state = get_rng_state()
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    state["numpy"] = [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+    return state
+
+
+def set_rng_state_plain(state: dict[str, Any]) -> None:
+    """Restore what ``get_rng_state_plain`` returned."""
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    python = state["python"]
+    set_rng_state({**state, "python": (python[0], tuple(python[1]), python[2]),
+                   "numpy": (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)})

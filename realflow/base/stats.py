@@ -90,7 +90,10 @@ def weighted_mean(values: Iterable[float], weights: Iterable[float]) -> float:
 class StatsLogger:
     """Per-step scalar stats to TensorBoard and a jsonl file under ``run_dir``."""
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, jsonl: bool = True) -> None:
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, jsonl: bool = True,
+                 resume_step: int | None = None) -> None:
+        """``resume_step``: the run continues after this step (a recover point), so rows of
+        later steps, written by the attempt that failed, are dropped; None: a fresh run."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / "stats.jsonl"
@@ -99,8 +102,12 @@ class StatsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
-        self._jsonl = open(self.jsonl_path, "a", buffering=1) if jsonl else None  # line-buffered
+            purge = None if resume_step is None else resume_step + 1
+            self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=purge)
+        if jsonl and resume_step is not None:
+            self._keep_rows_until(resume_step)
+        mode = "a" if resume_step is not None else "w"
+        self._jsonl = open(self.jsonl_path, mode, buffering=1) if jsonl else None  # line-buffered
         self._closed = False
 
     def log(self, step: int, stats: Mapping[str, Any], prefix: str | None = None) -> dict[str, float]:
@@ -122,6 +129,21 @@ class StatsLogger:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({"step": step, "time": time.time(), **row}) + "\n")
         return row
+
+    def _keep_rows_until(self, step: int) -> None:
+        if not self.jsonl_path.exists():
+            return
+        kept = []
+        with open(self.jsonl_path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by the crash
+        tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.jsonl_path)
 
     def flush(self) -> None:
         if self._writer is not None:

@@ -1,4 +1,5 @@
-"""Schedulers start, watch and stop a job's worker processes (local now; Slurm later)."""
+"""Schedulers start, watch and stop a job's worker processes: local processes, Slurm, Ray."""
+from realflow.scheduler.base import WorkerRequest, make_scheduler
 from realflow.scheduler.local import LocalScheduler, WorkerFailed
 
-__all__ = ["LocalScheduler", "WorkerFailed"]
+__all__ = ["LocalScheduler", "WorkerFailed", "WorkerRequest", "make_scheduler"]

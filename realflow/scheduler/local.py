@@ -47,6 +47,7 @@ from typing import Mapping, Sequence, TextIO
 
 from realflow.base.logging import get_logger
 from realflow.base.timeutil import Deadline, format_seconds
+from realflow.scheduler.base import WorkerRequest
 from realflow.scheduler.console import ConsoleTail
 from realflow.scheduler.proc import (
     descendants,
@@ -87,8 +88,11 @@ class WorkerFailed(RuntimeError):
     """A worker exited non-zero or was killed; the job was stopped."""
 
     def __init__(self, name: str, pid: int, returncode: int, log_path: Path,
-                 log_tail: list[str], others: Sequence[str] = ()) -> None:
+                 log_tail: list[str], others: Sequence[str] = (),
+                 returncodes: Mapping[str, int] | None = None) -> None:
         self.name, self.pid, self.returncode = name, pid, returncode
+        #: every worker that had failed when the failure was noticed -> its exit code (negative: signal)
+        self.returncodes = dict(returncodes or {name: returncode})
         self.signal = -returncode if returncode < 0 else None
         self.log_path, self.log_tail = log_path, log_tail
         head = f"worker '{name}' (pid {pid}) {describe_exit(returncode)}"
@@ -209,6 +213,12 @@ class LocalScheduler:
             except (BrokenPipeError, ValueError):
                 logger.warning("process watchdog (pid %d) is gone", self._reaper.pid)
 
+    def start(self, requests: Sequence["WorkerRequest"]) -> None:
+        """Start every process of a run (see :mod:`realflow.scheduler.base`)."""
+        for r in requests:
+            self.submit(r.name, r.argv, env=r.env, n_threads=r.n_threads, service=r.service,
+                        expendable=r.expendable)
+
     # ---- watching -------------------------------------------------------------------
     @property
     def names(self) -> list[str]:
@@ -292,7 +302,8 @@ class LocalScheduler:
         if self._console is not None:
             self._console.poll(final=True)
         tail = read_log_tail(first.log_path, self.tail_lines)
-        raise WorkerFailed(first.name, first.pid, first.returncode, first.log_path, tail, others)
+        codes = {n: self._workers[n].returncode for n in failed}
+        raise WorkerFailed(first.name, first.pid, first.returncode, first.log_path, tail, others, codes)
 
     def _remember_strays(self) -> None:
         self._last_scan = time.monotonic()

@@ -23,7 +23,7 @@ from realflow.api.batch import SequenceBatch
 from realflow.api.rollout import RolloutSpec
 from realflow.base import names
 from realflow.base.logging import get_logger
-from realflow.system.master import Master, MasterError
+from realflow.system.master import Master, MasterError, WorkerLost
 from realflow.system.staleness import Candidate, check_bound, outstanding_per_version, select_batch
 
 logger = get_logger("async_master")
@@ -158,7 +158,7 @@ class AsyncMaster(Master):
     def _check_lost(self) -> None:
         lost = self.lost_workers()
         if lost:
-            raise MasterError(f"worker(s) {sorted(lost)} stopped sending heartbeats")
+            raise WorkerLost(f"worker(s) {sorted(lost)} stopped sending heartbeats")
 
     def _waiting_for(self, step: int, cands: list[Candidate], outstanding: dict[int, int], c: dict, waited: float
                      ) -> str:

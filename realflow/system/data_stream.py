@@ -43,3 +43,8 @@ class ShardStream:
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        """Continue where :meth:`state` was taken (same data, same seed)."""
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._shuffle(self.epoch)

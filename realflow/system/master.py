@@ -28,12 +28,17 @@ from realflow.system.model_store import ModelStore
 from realflow.system.placement import assign_to_dp_ranks
 from realflow.system.plan import ExecutionPlan
 from realflow.system.progress import ProgressReporter
+from realflow.system.recover import RecoverPoint, RecoverPoints
 
 logger = get_logger("master")
 
 
 class MasterError(RuntimeError):
     """The run cannot continue; the message names the MFC and worker involved."""
+
+
+class WorkerLost(MasterError):
+    """A worker stopped sending heartbeats (dead, stopped or hung): a fault a relaunch may fix."""
 
 
 @dataclass
@@ -56,7 +61,9 @@ class Master:
         self.ep = endpoint
         self.workers = [names.model_worker_name(i) for i in range(setup.n_workers)]
         self.holders = HolderIndex()
-        self.stats = StatsLogger(setup.run_dir)
+        self.recover = RecoverPoints(setup)
+        self.resume_from: Optional[RecoverPoint] = self.recover.resume_point()
+        self.stats = StatsLogger(setup.run_dir, resume_step=self.resume_from.step if self.resume_from else None)
         self.tracer = Tracer("master", enabled=setup.trace)
         self.progress = ProgressReporter(setup.run_dir)
         self.batch_size = _batch_size(setup.mfcs)
@@ -80,7 +87,7 @@ class Master:
             if now >= self._next_lost_check:
                 lost = set(self.lost_workers()) & ep.workers_of(rids)
                 if lost:
-                    raise MasterError(f"worker(s) {sorted(lost)} stopped sending heartbeats; aborting the step")
+                    raise WorkerLost(f"worker(s) {sorted(lost)} stopped sending heartbeats; aborting the step")
                 self._next_lost_check = now + 0.2
             if now >= end:
                 break  # ep.wait names who did not answer
@@ -105,10 +112,14 @@ class Master:
             self._all("setup", {"total_train_steps": total}, s.setup_timeout_s)
         self.progress.start(total)
         summary: dict[str, Any] = {"total_steps": total}
-        summary["eval_before"] = self._evaluate()
-        t_start = time.perf_counter()
+        train_time = 0.0
+        if self.resume_from is not None:
+            train_time = self._resume(self.resume_from, summary)
+        else:
+            summary["eval_before"] = self._evaluate()
+        t_start = time.perf_counter() - train_time
         self._before_training()
-        for self.step in range(1, total + 1):
+        for self.step in range(self.step + 1, total + 1):
             step_stats = self._run_step()
             step_stats.update(self._after_step(step_stats))
             self.stats.log(self.step, step_stats)
@@ -117,11 +128,14 @@ class Master:
                 self._evaluate()
             if s.save_freq_steps and self.step % s.save_freq_steps == 0 and self.step < total:
                 self._save(f"step{self.step}")
+            if self.recover.due(self.step, total):  # last: the point holds everything up to here
+                self._write_recover_point(summary, time.perf_counter() - t_start)
         summary["train_time_s"] = time.perf_counter() - t_start
         summary.update(self._after_training())
         summary["eval_after"] = self._evaluate()
         summary["checkpoints"] = self._save("final")
         self._all("finish", {}, 120.0)
+        self.recover.clear()  # finished: launching this trial again starts a new run
         if s.trace:
             trace_dir = os.path.join(s.run_dir, "trace")
             self.tracer.save(os.path.join(trace_dir, "master.json"))
@@ -130,6 +144,47 @@ class Master:
         self.stats.close()
         self.progress.finish(summary)
         return summary
+
+    # ---- recover points ---------------------------------------------------------
+    def _recover_state(self) -> dict[str, Any]:
+        """The master's part of a recover point (subclasses add theirs)."""
+        return {"step": self.step, "epoch": self.epoch, "role_version": dict(self.role_version)}
+
+    def _load_recover_state(self, state: dict[str, Any]) -> None:
+        self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        self.role_version.update({k: int(v) for k, v in state["role_version"].items()})
+
+    def _write_recover_point(self, summary: dict[str, Any], train_time: float) -> None:
+        t0 = time.perf_counter()
+        tmp = self.recover.begin(self.step)
+        try:
+            with self.tracer.span("recover_point", step=self.step):
+                replies = self._all("save_recover", {"dir": tmp, "step": self.step}, self.setup.mfc_timeout_s)
+            files = {r["file"]: {"size": r["size"], "digest": r["digest"]} for r in replies.values()}
+            state = {**self._recover_state(), "train_time_s": train_time,
+                     "eval_before": summary.get("eval_before")}
+            path = self.recover.commit(tmp, self.step, state, files)
+        except BaseException:
+            self.recover.abort(tmp)
+            raise
+        seconds = time.perf_counter() - t0
+        self.stats.log(self.step, {"time/recover_point": seconds})
+        logger.info(f"recover point of step {self.step} written to {path} in {seconds:.2f}s")
+
+    def _resume(self, point: RecoverPoint, summary: dict[str, Any]) -> float:
+        """Restore every worker and the master from ``point``; returns the training time it had."""
+        with self.tracer.span("load_recover", step=point.step):
+            self._all("load_recover", {"path": point.path, "step": point.step, "files": point.meta["files"]},
+                      self.setup.mfc_timeout_s)
+        state = point.meta["master"]
+        self._load_recover_state(state)
+        summary["eval_before"] = state.get("eval_before")
+        summary["resumed_from_step"] = point.step
+        self.progress.update(self.step, {})
+        msg = f"resumed from the recover point of step {point.step} ({point.path})"
+        logger.info(msg)
+        self.progress.event(msg)
+        return float(state.get("train_time_s", 0.0))
 
     # ---- what an asynchronous run changes (see realflow.system.async_master) -------
     def _connect(self) -> None:

@@ -170,3 +170,33 @@ class ModelStore:
         """Reload before use if a hook left the engine offloaded (e.g. eval after a release)."""
         if (role, layout) in self._offloaded:
             self._reload(role, layout)
+
+    # ---- recover points -----------------------------------------------------------------------
+    def local_state(self) -> dict[str, Any]:
+        """This worker's part of every model: full training state at home, the version elsewhere
+        (other layouts are refilled from home by the next reallocation)."""
+        out: dict[str, Any] = {}
+        for (role, layout), m in sorted(self.models.items(), key=lambda kv: (kv[0][0], kv[0][1].short())):
+            entry: dict[str, Any] = {"version": int(m.version)}
+            if m.module is not None and layout == self.plan.role_home[role]:
+                backend = self.backend(role)
+                if not hasattr(backend, "local_state"):
+                    raise HookError(f"model backend '{self.setup.models[role].backend}' of role '{role}' cannot "
+                                    "write recover points; set recover_mode=off")
+                self.ensure_resident(role, layout)
+                entry["engine"] = backend.local_state(m.module)
+            out[f"{role}@{layout.short()}"] = entry
+        return out
+
+    def load_local_state(self, state: dict[str, Any]) -> None:
+        here = {f"{role}@{layout.short()}": (role, layout, m) for (role, layout), m in self.models.items()}
+        if set(here) != set(state):
+            raise HookError(f"worker {self.index}: the recover point holds models {sorted(state)}, "
+                            f"this run builds {sorted(here)}")
+        for key, entry in state.items():
+            role, layout, m = here[key]
+            if "engine" in entry:
+                self.ensure_resident(role, layout)
+                self.backend(role).load_local_state(m.module, entry["engine"])
+            m.version = int(entry["version"])
+

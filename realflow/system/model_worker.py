@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from realflow.api.batch import SequenceBatch
@@ -24,12 +25,13 @@ from realflow.api.mfc import MFCDef, ModelInterfaceType
 from realflow.base import names
 from realflow.base.logging import get_logger
 from realflow.base.network import host_address
-from realflow.base.seeding import set_seed
+from realflow.base.seeding import get_rng_state_plain, set_rng_state_plain, set_seed
 from realflow.base.trace import Tracer
 from realflow.comm import shm
 from realflow.comm.rpc import ReplyThen
 from realflow.comm.tcp_store import host_tcp_store
 from realflow.system.data_manager import DataManager
+from realflow.system import recover
 from realflow.system.data_stream import ShardStream
 from realflow.system.model_store import ModelStore
 from realflow.system.plan import ExecutionPlan
@@ -90,6 +92,8 @@ class ModelWorker:
             "hook": self.hook,
             "evaluate": self.evaluate,
             "save": self.save,
+            "save_recover": self.save_recover,
+            "load_recover": self.load_recover,
             "drop": self.drop,
             "finish": self.finish,
             "peek_trajectories": self.peek_trajectories,
@@ -269,6 +273,43 @@ class ModelWorker:
             iface = next(self.interfaces[m.name] for m in self.setup.mfcs if m.model_name == role)
             iface.save(model, path)
         return {"path": path}
+
+    def save_recover(self, payload: dict) -> dict:
+        """Write this worker's part of a recover point into ``payload["dir"]``; reply its size and digest.
+
+        Collective-free: every worker writes what it holds (its shards in its own layout).
+        The file is written under a temporary name and renamed, then hashed by its writer.
+        """
+        index = self.index
+        name = recover.worker_file_name(index)
+        state = {"format": recover.FORMAT, "worker": index, "rng": get_rng_state_plain(),
+                 "stream": self.train_stream.state() if self.train_stream is not None else None,
+                 "models": self.store.local_state(),
+                 "interfaces": {k: iface.state_dict() for k, iface in sorted(self.interfaces.items())}}
+        path = os.path.join(payload["dir"], name)
+        with self.tracer.span("save_recover"):
+            torch.save(state, path + ".tmp")
+            with open(path + ".tmp", "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
+        return {"file": name, "size": os.path.getsize(path), "digest": recover.file_digest(path)}
+
+    def load_recover(self, payload: dict) -> dict:
+        """Restore this worker from its file of the recover point (digest checked first)."""
+        point = recover.RecoverPoint(payload["path"], int(payload["step"]), {"files": payload["files"]})
+        path = recover.RecoverPoints.verify_file(point, self.index)
+        with self.tracer.span("load_recover"):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if state.get("worker") != self.index:
+                raise recover.RecoverError(f"{path} was written by worker {state.get('worker')}, not {self.index}")
+            self.store.load_local_state(state["models"])
+            for k, iface_state in state["interfaces"].items():
+                if k in self.interfaces:
+                    self.interfaces[k].load_state_dict(iface_state)
+            if state["stream"] is not None and self.train_stream is not None:
+                self.train_stream.load_state(state["stream"])
+            set_rng_state_plain(state["rng"])
+        return {"worker": self.name}
 
     def drop(self, payload: dict) -> dict:
         return {"dropped": self.data.drop(payload["ids"])}

@@ -33,9 +33,10 @@ class ProgressReporter:
     def event(self, message: str) -> None:
         self._write("event", message=message)
 
-    def error(self, message: str) -> None:
-        """The run failed; ``message`` is one line naming the culprit."""
-        self._write("error", message=message)
+    def error(self, message: str, fault: bool = False) -> None:
+        """The run failed; ``message`` is one line naming the culprit. ``fault``: a lost or
+        unresponsive process (a relaunch may fix it), not an error of the experiment's code."""
+        self._write("error", message=message, fault=bool(fault))
 
     def finish(self, summary: dict[str, Any]) -> None:
         self._write("finish", summary=summary)
@@ -51,6 +52,7 @@ class ProgressFollower:
         self._partial = ""
         self.summary: Optional[dict[str, Any]] = None
         self.error: Optional[str] = None
+        self.error_is_fault = False
 
     def poll(self, on_record: Callable[[dict[str, Any]], None]) -> None:
         if not os.path.exists(self.path):
@@ -69,4 +71,5 @@ class ProgressFollower:
                     self.summary = rec["summary"]
                 elif rec["kind"] == "error":
                     self.error = rec["message"]
+                    self.error_is_fault = bool(rec.get("fault"))
                 on_record(rec)

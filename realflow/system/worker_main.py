@@ -60,11 +60,20 @@ def run_master(setup: ExperimentSetup, secret: bytes) -> int:
         return 0
     except Exception as e:  # report one line naming the culprit, keep the traceback in the log
         logger.exception("run failed")
-        master.progress.error(one_line_error(e))
+        master.progress.error(one_line_error(e), fault=is_fault(e))
         return 1
     finally:
         monitor.close()
         endpoint.close()
+
+
+def is_fault(e: BaseException) -> bool:
+    """A lost, unreachable or unresponsive process (a relaunch may fix it), not an error that
+    the experiment's code would raise again."""
+    from realflow.comm.rpc.common import RequestTimeout, WorkersMissing, WorkerUnreachable
+    from realflow.system.master import WorkerLost
+
+    return isinstance(e, (WorkerLost, WorkerUnreachable, RequestTimeout, WorkersMissing))
 
 
 def one_line_error(e: BaseException) -> str:

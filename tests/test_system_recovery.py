@@ -1,0 +1,187 @@
+"""Faults for real: kill -9 or SIGSTOP a process of a running job, and the run still ends
+exactly where an uninterrupted run with the same seed ends (bit-identical parameters),
+resumed from its last recover point by the launcher (recover_mode=auto)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["dataset.n_train=3000", "dataset.n_test=16", "model.arch.hidden_size=64", "model.arch.num_hidden_layers=2",
+        "model.arch.intermediate_size=128"]
+SFT = ["realflow.apps.main_sft", *TINY, "batch_size=32", "max_train_steps=24", "optimizer.lr=3e-3"]
+PPO = ["realflow.apps.main", "experiment=ppo-math", "batch_size=8", "ppo.n_samples=2", "ppo.max_new_tokens=8",
+       "max_train_steps=10", "dataset.n_test=8"]
+
+
+def _cmd(args: list[str], fileroot: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", args[0], f"fileroot={fileroot}", *args[1:], *overrides]
+
+
+def _run(args, fileroot, *overrides, timeout=400) -> subprocess.CompletedProcess:
+    return subprocess.run(_cmd(args, fileroot, *overrides), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "stats.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if any(k.startswith("time/step") for k in row):
+            out.append(row["step"])
+    return out
+
+
+def _run_with_fault(args, fileroot: Path, run_dir: Path, victim: str, sig: int, after_step: int,
+                    *overrides: str, timeout: float = 400) -> tuple[int, str, float]:
+    """Start the job, send ``sig`` to ``victim`` once ``after_step`` steps are logged; wait for
+    the job to end. Returns (exit code, console output, seconds from the signal to the relaunch)."""
+    console = fileroot / f"console-{victim.replace('/', '_')}.txt"
+    with open(console, "w") as out:
+        proc = subprocess.Popen(_cmd(args, fileroot, *overrides), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        deadline = time.time() + timeout
+        pid = None
+        while time.time() < deadline and proc.poll() is None:
+            found = dict(re.findall(r"started worker (\S+) \(pid (\d+)", console.read_text()))
+            if victim in found and len(_steps(run_dir)) >= after_step:
+                pid = int(found[victim])
+                break
+            time.sleep(0.1)
+        assert pid is not None, console.read_text()[-3000:]
+        os.kill(pid, sig)
+        t_sig = time.time()
+        relaunched = None
+        while proc.poll() is None and time.time() < deadline:
+            if relaunched is None and "relaunching" in console.read_text():
+                relaunched = time.time() - t_sig
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+            pytest.fail(f"the job did not finish in {timeout}s:\n{console.read_text()[-3000:]}")
+        return proc.returncode, console.read_text(), relaunched if relaunched is not None else -1.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _params(ckpt: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        out.update(load_file(f))
+    assert out, f"no weights in {ckpt}"
+    return out
+
+
+def _assert_bit_identical(a: Path, b: Path) -> None:
+    pa, pb = _params(a), _params(b)
+    assert pa.keys() == pb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), f"{k} differs: max |diff| {(pa[k] - pb[k]).abs().max().item()}"
+
+
+@pytest.fixture(scope="module")
+def sft_reference(tmp_path_factory) -> Path:
+    """An uninterrupted SFT run (no recover points at all) to compare with."""
+    root = tmp_path_factory.mktemp("sft_ref")
+    res = _run(SFT, root, "recover_mode=off")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return root / "sft" / "trial0" / "checkpoints" / "default" / "final"
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("victim", ["model_worker/1", "master"])
+def test_sft_killed_mid_run_resumes_bit_identical(tmp_path, sft_reference, victim):
+    run_dir = tmp_path / "sft" / "trial0"
+    rc, out, relaunch_s = _run_with_fault(SFT, tmp_path, run_dir, victim, signal.SIGKILL, 9,
+                                          "recover_freq_steps=4", "recover_freq_seconds=0")
+    assert rc == 0, out[-3000:]
+    assert f"worker '{victim}' was killed by SIGKILL" in out and "relaunching (1/3) from recover point of step" in out, out[-3000:]
+    assert 0 <= relaunch_s < 3.0, relaunch_s  # the launcher noticed the death and relaunched within 3 s
+    assert "resumed from the recover point of step" in (run_dir / "logs" / "retry1" / "master.log").read_text()
+    steps = _steps(run_dir)
+    assert steps == list(range(1, 25)), steps  # the failed attempt's later rows were dropped, none twice
+    _assert_bit_identical(sft_reference, run_dir / "checkpoints" / "default" / "final")
+    assert not (run_dir / "recover").exists()  # a finished run leaves no points to resume
+    assert not [f for f in os.listdir("/dev/shm") if "sft" in f and "trial0" in f]
+
+
+@pytest.mark.timeout(300)
+def test_stopped_worker_is_named_within_its_deadline(tmp_path):
+    run_dir = tmp_path / "sft" / "trial0"
+    t0 = time.time()
+    rc, out, _ = _run_with_fault(SFT, tmp_path, run_dir, "model_worker/0", signal.SIGSTOP, 3,
+                                 "max_train_steps=100000", "recover_mode=resume", "heartbeat_timeout_s=3")
+    assert rc == 1
+    assert "['model_worker/0'] stopped sending heartbeats" in out, out[-2000:]
+    assert "relaunching" not in out  # resume mode: no relaunch
+    assert time.time() - t0 < 200
+
+
+@pytest.mark.timeout(300)
+def test_truncated_recover_point_falls_back_to_the_previous_one(tmp_path, sft_reference):
+    run_dir = tmp_path / "sft" / "trial0"
+    # a run that stops (SIGKILL to the launcher's master with no relaunch) after some points
+    rc, out, _ = _run_with_fault(SFT, tmp_path, run_dir, "master", signal.SIGKILL, 13,
+                                 "recover_freq_steps=4", "recover_freq_seconds=0", "recover_mode=resume",
+                                 "recover_keep=3")
+    assert rc == 1, out[-2000:]
+    points = sorted(p.name for p in (run_dir / "recover").iterdir() if p.name.startswith("step"))
+    assert len(points) >= 2, points
+    newest = run_dir / "recover" / points[-1]
+    victim = newest / "worker_1.pt"
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    res = _run(SFT, tmp_path, "recover_freq_steps=4", "recover_freq_seconds=0", "recover_mode=resume")
+    assert res.returncode == 0, res.stderr[-3000:]
+    prev_step = int(points[-2][4:])
+    assert f"resuming from the recover point of step {prev_step}" in res.stdout, res.stdout[-2000:]
+    assert "worker_1.pt has" in res.stdout + res.stderr and "truncated" in res.stdout + res.stderr
+    _assert_bit_identical(sft_reference, run_dir / "checkpoints" / "default" / "final")
+
+
+def test_recover_point_of_another_run_is_refused(tmp_path):
+    run_dir = tmp_path / "sft" / "trial0"
+    rc, out, _ = _run_with_fault(SFT, tmp_path, run_dir, "master", signal.SIGKILL, 6,
+                                 "recover_freq_steps=2", "recover_freq_seconds=0", "recover_mode=resume")
+    assert rc == 1
+    res = _run(SFT, tmp_path, "recover_mode=resume", "batch_size=16", timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and "was written by a different run" in err[0] and "batch_size" in err[0], res.stderr
+    assert "recover_mode=off" in err[0]
+    shutil.rmtree(run_dir / "recover")
+
+
+@pytest.mark.timeout(600)
+def test_ppo_with_critic_and_reference_killed_mid_step_resumes_bit_identical(tmp_path):
+    sft = _run(SFT, tmp_path, "max_train_steps=8", "recover_mode=off")  # the PPO start, where ppo-math finds it
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    ref = _run(PPO, tmp_path, "trial_name=reference", "recover_mode=off")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_dir = tmp_path / "ppo-math" / "trial0"
+    rc, out, _ = _run_with_fault(PPO, tmp_path, run_dir, "model_worker/0", signal.SIGKILL, 5,
+                                 "recover_freq_steps=3", "recover_freq_seconds=0")
+    assert rc == 0, out[-3000:]
+    assert "relaunching (1/3) from recover point of step 3" in out, out[-3000:]
+    for role in ("actor", "critic"):
+        _assert_bit_identical(tmp_path / "ppo-math" / "reference" / "checkpoints" / role / "final",
+                              run_dir / "checkpoints" / role / "final")

@@ -1,10 +1,11 @@
 """Ports and host addresses.
 
 By default everything binds and advertises 127.0.0.1: a single-host job must not
-open ports to the network. A cluster job sets ``cluster=True`` (from its config) and
-then advertises the address other hosts can reach: $REALFLOW_HOST_IP if set (for
-hosts with several interfaces), else the address of the interface that routes
-outwards.
+open ports to the network. A cluster job (``launcher=slurm|ray``: the launcher sets
+REALFLOW_CLUSTER=1 for every process it starts) binds and advertises the address other
+hosts can reach: $REALFLOW_HOST_IP if set (for hosts with several interfaces), else the
+address of the interface that routes outwards. Reading the environment here, where
+every socket gets its address, means no bind site can forget to pass the flag.
 """
 from __future__ import annotations
 
@@ -40,8 +41,15 @@ def find_free_ports(n: int, host: str = LOOPBACK) -> list[int]:
             s.close()
 
 
-def host_address(cluster: bool = False) -> str:
-    """Address to bind and advertise: loopback unless ``cluster``."""
+def cluster_mode() -> bool:
+    """True in a process of a cluster job (REALFLOW_CLUSTER=1, set by the launcher)."""
+    return os.environ.get("REALFLOW_CLUSTER", "") not in ("", "0")
+
+
+def host_address(cluster: bool | None = None) -> str:
+    """Address to bind and advertise: loopback unless ``cluster`` (default: :func:`cluster_mode`)."""
+    if cluster is None:
+        cluster = cluster_mode()
     if not cluster:
         return LOOPBACK
     env = os.environ.get("REALFLOW_HOST_IP")
@@ -62,7 +70,7 @@ def host_address(cluster: bool = False) -> str:
         ip = LOOPBACK
     if ip.startswith("127."):
         raise RuntimeError(
-            "cluster=True but this host has no routable address; set REALFLOW_HOST_IP"
+            "a cluster job (REALFLOW_CLUSTER=1) but this host has no routable address; set REALFLOW_HOST_IP"
         )
     return ip
 

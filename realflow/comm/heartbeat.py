@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable
 
 import zmq
 
+from realflow.base.network import host_address
 from realflow.comm import codec
 from realflow.comm.auth import AuthError, Signer, Verifier, check_secret
 
@@ -110,7 +111,7 @@ class Heartbeater:
 class HeartbeatMonitor:
     """Binds a SUB socket, verifies beats in a daemon thread and tracks when each worker was last seen."""
 
-    def __init__(self, secret: bytes, bind_host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, secret: bytes, bind_host: str | None = None, port: int = 0,
                  timeout: float = DEFAULT_TIMEOUT, *, name: str = DEFAULT_MONITOR_NAME, max_age: float = 120.0,
                  context: zmq.Context | None = None) -> None:
         self.timeout = float(timeout)
@@ -120,6 +121,7 @@ class HeartbeatMonitor:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, _HWM)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        bind_host = bind_host or host_address()  # loopback unless a cluster job (REALFLOW_CLUSTER=1)
         sock.bind(f"tcp://{bind_host}:{port}" if port else f"tcp://{bind_host}:*")
         self.address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock  # handed to the thread below, never used here again

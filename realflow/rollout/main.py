@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Optional
 
 from realflow.api.config import import_modules, parse_overrides
 from realflow.api.experiment import ExperimentSetup, experiment_registry
@@ -58,6 +58,21 @@ def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     return 0
 
 
+def _resume_state(setup: ExperimentSetup) -> Optional[dict]:
+    """The rollout part of the recover point the master resumes from (the same one: the master
+    writes the next point only after rollouts from this controller were trained)."""
+    from realflow.system.recover import RecoverPoints
+
+    point = RecoverPoints(setup).resume_point()
+    if point is None:
+        return None
+    master = point.meta["master"]
+    logger.info("resuming the rollout side from the recover point of step %d: %d prompts handed out, %d "
+                "of them to hand out again", point.step, master["rollout"]["next_index"],
+                len(master["rollout"]["pending"]))
+    return {**master["rollout"], "consumed": master["consumed"]}
+
+
 def _wait_servers(setup: ExperimentSetup, resolver: Any) -> list[str]:
     spec = setup.rollout
     assert spec is not None
@@ -88,14 +103,15 @@ def run_controller(setup: ExperimentSetup, secret: bytes) -> int:
     stop = threading.Event()
 
     async def main() -> None:
-        ctl = RolloutController(spec, urls, token)
+        ctl = RolloutController(spec, urls, token, resume=_resume_state(setup))
         await ctl.start()
         runner = web.AppRunner(build_controller_app(ctl, token), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        host = host_address()  # loopback unless a cluster job (REALFLOW_CLUSTER=1)
+        site = web.TCPSite(runner, host, 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        resolver.add(names.rollout_controller_address(exp, trial), f"http://127.0.0.1:{port}", replace=True)
+        resolver.add(names.rollout_controller_address(exp, trial), f"http://{host}:{port}", replace=True)
         logger.info("rollout controller serving on port %d for %d gen servers", port, len(urls))
         loop = asyncio.get_running_loop()
         master = await asyncio.to_thread(resolver.wait, names.master_address(exp, trial),

@@ -20,6 +20,7 @@ import zmq
 from realflow.api.batch import SequenceBatch
 from realflow.api.rollout import VERSION_ADMIT, VERSION_NEWEST, VERSION_OLDEST
 from realflow.base.logging import get_logger
+from realflow.base.network import host_address
 from realflow.comm.auth import AuthError, Verifier
 from realflow.comm.codec import CodecError, decode
 
@@ -29,7 +30,8 @@ logger = get_logger("trajectory_inbox")
 
 
 class TrajectoryInbox:
-    def __init__(self, name: str, secret: bytes, bind_host: str = "127.0.0.1") -> None:
+    def __init__(self, name: str, secret: bytes, bind_host: str | None = None) -> None:
+        bind_host = bind_host or host_address()  # loopback unless a cluster job (REALFLOW_CLUSTER=1)
         self.name = name
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)

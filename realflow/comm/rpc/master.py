@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable
 
 import zmq
 
+from realflow.base.network import host_address
 from realflow.comm import codec
 from realflow.comm.auth import AuthError, Signer, Verifier, check_secret
 from realflow.comm.rpc.common import (
@@ -29,7 +30,7 @@ class _Pending:
 class MasterEndpoint(SocketEndpoint):
     """The master's side: one ROUTER socket that all workers connect to."""
 
-    def __init__(self, secret: bytes, bind_host: str = "127.0.0.1", port: int = 0, *,
+    def __init__(self, secret: bytes, bind_host: str | None = None, port: int = 0, *,
                  name: str = DEFAULT_MASTER_NAME, max_age: float = 120.0,
                  context: zmq.Context | None = None) -> None:
         self.name = name
@@ -39,6 +40,7 @@ class MasterEndpoint(SocketEndpoint):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown worker -> error, not a silent drop
         # No ROUTER_HANDOVER: an unauthenticated peer connecting with a live worker's name must not be able
         # to steal its routing. A dead worker's connection closes with its process, so a restart can reconnect.
+        bind_host = bind_host or host_address()  # loopback unless a cluster job (REALFLOW_CLUSTER=1)
         if port:
             self._sock.bind(f"tcp://{bind_host}:{port}")
         else:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from realflow.api.deploy import SlurmConfig
+from realflow.base.network import host_address
 from realflow.scheduler import WorkerFailed, WorkerRequest
 from realflow.scheduler import slurm_cli
 from realflow.scheduler.slurm_cli import NodeInfo, SlurmError
@@ -191,6 +193,7 @@ def test_a_failing_step_raises_worker_failed_naming_it_and_the_job_goes(slurm, t
 _LAUNCHER = """
 import sys
 from realflow.api.deploy import SlurmConfig
+from realflow.base.network import host_address
 from realflow.scheduler.slurm import SlurmScheduler
 sys.path.insert(0, {tests!r})
 from test_scheduler_slurm import _requests
@@ -203,7 +206,8 @@ s.wait(600)
 
 
 @pytest.mark.timeout(900)
-def test_a_killed_launcher_leaves_no_step_and_no_job(slurm, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_killed_or_interrupted_launcher_leaves_no_step_and_no_job(slurm, tmp_path, sig):
     out = tmp_path / "out"
     out.mkdir()
     code = _LAUNCHER.format(tests=str(REPO / "tests"), logs=str(tmp_path / "logs"), out=str(out))
@@ -213,18 +217,22 @@ def test_a_killed_launcher_leaves_no_step_and_no_job(slurm, tmp_path):
         assert line.startswith("JOB "), f"the launcher did not start its job: {line!r}"
         job = line.split()[1]
         _wait_files(out, 3)
-        assert len(slurm_cli.steps(job)) == 3
-        proc.send_signal(signal.SIGKILL)
+        ids = {c.job_id for c in slurm_cli.job_state(job)}
+        assert len(slurm_cli.steps(job)) == 3 and len(_job_processes(ids)) == 3
+        proc.send_signal(sig)
         t0 = time.monotonic()
-        while slurm_cli.steps(job):
-            assert time.monotonic() - t0 < 10, f"steps still running: {slurm_cli.steps(job)}"
+        while slurm_cli.steps(job) or _job_processes(ids):
+            assert time.monotonic() - t0 < 10, f"still running: {slurm_cli.steps(job)} {_job_processes(ids)}"
             time.sleep(0.1)
         gone = _gone(job, 10)
+        proc.wait(30)
     finally:
         proc.kill()
         proc.wait()
     assert gone < 10
-    assert "cancelled Slurm job" in (tmp_path / "logs" / "slurm_watchdog.log").read_text()
+    watchdog = (tmp_path / "logs" / "slurm_watchdog.log").read_text()
+    # killed: the watchdog cancels the job; interrupted: the launcher cancels it itself
+    assert ("cancelled Slurm job" in watchdog) == (sig == signal.SIGKILL), watchdog
 
 
 @pytest.mark.timeout(900)
@@ -274,3 +282,137 @@ def test_a_job_that_cannot_start_times_out_naming_it_and_is_cancelled(slurm, tmp
         assert _gone(job, 5) < 5
     finally:
         slurm_cli.cancel(blocker)
+
+
+# ---- cluster addresses ----------------------------------------------------------------------
+def test_cluster_processes_bind_the_node_address_and_local_ones_loopback(monkeypatch):
+    from realflow.comm.auth import new_secret
+    from realflow.comm.heartbeat import HeartbeatMonitor
+    from realflow.comm.rpc import MasterEndpoint
+    from realflow.system.trajectory_inbox import TrajectoryInbox
+
+    def addresses() -> list[str]:
+        secret = new_secret()
+        ep, mon, inbox = MasterEndpoint(secret), HeartbeatMonitor(secret), TrajectoryInbox("model_worker/0", secret)
+        try:
+            return [a.rsplit(":", 1)[0] for a in (ep.address, mon.address, inbox.address)]
+        finally:
+            ep.close(), mon.close(), inbox.close()
+
+    monkeypatch.delenv("REALFLOW_CLUSTER", raising=False)
+    assert addresses() == ["tcp://127.0.0.1"] * 3
+    monkeypatch.setenv("REALFLOW_CLUSTER", "1")
+    node = host_address(cluster=True)
+    assert not node.startswith("127.") and addresses() == [f"tcp://{node}"] * 3
+
+
+# ---- end to end: python -m realflow.apps.main_* launcher=slurm --------------------------------
+SMALL = ["dataset.n_train=3000", "dataset.n_test=64", "model.arch.hidden_size=64", "model.arch.num_hidden_layers=2",
+         "model.arch.intermediate_size=128", "batch_size=32"]
+ON_BOTH_NODES = ["launcher=slurm", "slurm.nodelist=n[1-2]", "slurm.time_limit=10", "recover_mode=off"]
+
+
+def _hex_ip(h: str) -> str:
+    return socket.inet_ntoa(bytes.fromhex(h)[::-1]) if len(h) == 8 else f"ipv6:{h}"
+
+
+def _listening() -> dict[str, str]:
+    """socket inode -> IPv4 address of every listening TCP socket."""
+    out = {}
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(name).read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A":
+                out[cols[9]] = _hex_ip(cols[1].split(":")[0])
+    return out
+
+
+def _job_processes(job_ids: set[str]) -> dict[int, str]:
+    """pid -> REALFLOW_ROLE of the processes that run as tasks of these jobs."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{d}/environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if env.get("SLURM_JOB_ID") in job_ids and "REALFLOW_ROLE" in env:
+            out[int(d)] = env["REALFLOW_ROLE"]
+    return out
+
+
+def _run_watched(module: str, fileroot: Path, job_name: str, *overrides: str, timeout: float = 300):
+    """Run an app; meanwhile record each step's node (squeue) and each role's listening addresses."""
+    log = fileroot / f"{module.rsplit('.', 1)[1]}.out"
+    cmd = [sys.executable, "-m", module, f"fileroot={fileroot}", *overrides]
+    nodes: dict[str, str] = {}
+    listens: dict[str, set[str]] = {}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, f"{module} did not finish within {timeout}s"
+            ids = set(subprocess.run(["squeue", "-h", "-n", job_name, "-o", "%A"], capture_output=True,
+                                     text=True, timeout=30).stdout.split())
+            if ids:
+                steps = subprocess.run(["squeue", "-h", "-s", "-j", ",".join(sorted(ids)), "-o", "%j|%N"],
+                                       capture_output=True, text=True, timeout=30).stdout.split()
+                nodes.update(s.split("|") for s in steps if not s.startswith("batch|"))
+                listening = _listening()
+                for pid, role in _job_processes(ids).items():
+                    for fd in os.listdir(f"/proc/{pid}/fd") if os.path.isdir(f"/proc/{pid}/fd") else []:
+                        try:
+                            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                        except OSError:
+                            continue
+                        if target.startswith("socket:[") and target[8:-1] in listening:
+                            listens.setdefault(role, set()).add(listening[target[8:-1]])
+            time.sleep(0.3)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, log.read_text(), nodes, listens
+
+
+def _assert_cluster_addresses(listens: dict[str, set[str]]) -> None:
+    """The master (RPC, heartbeats) and the trainer's rendezvous store listen on the node's address.
+
+    (The model workers' gloo sockets bind the address the host name resolves to: loopback on
+    this machine, whose /etc/hosts maps its name to 127.0.0.1, the node's address on a cluster.)
+    """
+    node = host_address(cluster=True)
+    assert listens.get("master") == {node}, listens
+    assert node in listens.get("model_worker/0", set()), listens
+    assert not any("0.0.0.0" in a for a in listens.values()), listens
+
+
+@pytest.fixture(scope="module")
+def sft_on_slurm(slurm, tmp_path_factory):
+    root = tmp_path_factory.mktemp("slurm_e2e")
+    return root, _run_watched("realflow.apps.main_sft", root, "realflow:sft:trial0", *SMALL, "max_train_steps=3",
+                              "n_workers=2", *ON_BOTH_NODES)
+
+
+@pytest.mark.timeout(900)
+def test_sft_on_slurm_runs_model_workers_on_both_nodes(sft_on_slurm):
+    root, (rc, out, nodes, listens) = sft_on_slurm
+    assert rc == 0, out[-3000:]
+    assert nodes == {"master": "n1", "model_worker/0": "n1", "model_worker/1": "n2"}, out[-3000:]
+    _assert_cluster_addresses(listens)
+    assert (root / "sft" / "trial0" / "checkpoints" / "default" / "final" / "config.json").is_file()
+    assert not subprocess.run(["squeue", "-h", "-n", "realflow:sft:trial0"], capture_output=True,
+                              text=True).stdout.strip()
+
+
+@pytest.mark.timeout(900)
+def test_sync_ppo_on_slurm_runs_model_workers_on_both_nodes(sft_on_slurm):
+    root, _ = sft_on_slurm  # its SFT checkpoint is where the PPO experiment looks for its actor
+    rc, out, nodes, listens = _run_watched("realflow.apps.main_sync_ppo", root, "realflow:grpo-math:trial0",
+                                           "max_train_steps=2", "batch_size=8", "dataset.n_test=16", *ON_BOTH_NODES)
+    assert rc == 0, out[-3000:]
+    assert nodes == {"master": "n1", "model_worker/0": "n1", "model_worker/1": "n2"}, out[-3000:]
+    _assert_cluster_addresses(listens)
+    assert "saved actor HF checkpoint" in out

@@ -185,3 +185,43 @@ def test_ppo_with_critic_and_reference_killed_mid_step_resumes_bit_identical(tmp
     for role in ("actor", "critic"):
         _assert_bit_identical(tmp_path / "ppo-math" / "reference" / "checkpoints" / role / "final",
                               run_dir / "checkpoints" / role / "final")
+
+
+ASYNC = ["realflow.apps.main_async_ppo", "dataset.task=arithmetic", "ppo.max_new_tokens=8", "dataset.n_test=8",
+         "eval_n_samples=1", "dataset.n_train=3000", "batch_size=8", "ppo.n_samples=2", "max_train_steps=9"]
+
+
+@pytest.fixture(scope="module")
+def async_root(tmp_path_factory) -> Path:
+    """A short SFT start where the asynchronous experiment finds it."""
+    root = tmp_path_factory.mktemp("async")
+    res = _run(SFT, root, "max_train_steps=8", "recover_mode=off", "dataset.n_test=8")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return root
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("victim", ["model_worker/0", "rollout_controller", "rollout_worker/0"])
+def test_async_ppo_killed_mid_run_trains_no_rollout_twice_and_loses_none(async_root, victim):
+    trial = victim.replace("/", "_")
+    run_dir = async_root / "async-grpo-math" / trial
+    rc, out, _ = _run_with_fault(ASYNC, async_root, run_dir, victim, signal.SIGKILL, 5, f"trial_name={trial}",
+                                 "recover_freq_steps=2", "recover_freq_seconds=0")
+    assert rc == 0, out[-3000:]
+    assert f"worker '{victim}' was killed by SIGKILL" in out and "relaunching (1/3) from recover point of step" in out, out[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 10))
+    ids = [i for r in rows for i in r["ids"]]
+    assert len(ids) == 9 * 8 and len(set(ids)) == len(ids), "a rollout was trained twice"
+    # every prompt handed out is trained, still pending at the end, or failed in its agent: none is lost
+    finish = [json.loads(line) for line in (run_dir / "progress.jsonl").read_text().splitlines()
+              if '"finish"' in line][-1]["summary"]
+    data = finish["rollout_data"]
+    assert data["next_index"] == len(ids) + len(data["pending"]) + data["failed"], data
+    retry_log = (run_dir / "logs" / "retry1" / "rollout_controller.log").read_text()
+    assert "resuming the rollout side from the recover point" in retry_log
+    # the relaunched trainer brought the new servers to its version before any rollout was admitted:
+    # every step after the resume trained within the staleness bound (max_head_offpolicyness=4)
+    stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+    stale = [r["async/offpolicy_head_max"] for r in stats if "async/offpolicy_head_max" in r]
+    assert len(stale) == 9 and max(stale) <= 4, stale

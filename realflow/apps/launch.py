@@ -17,6 +17,7 @@ from typing import Optional
 
 from realflow.api.config import ConfigError, format_help, import_modules, parse_overrides
 from realflow.api.experiment import experiment_registry
+from realflow.base import names
 from realflow.comm import shm
 from realflow.comm.auth import new_secret
 from realflow.system.plan import compile_plan
@@ -107,9 +108,8 @@ def launch(experiment: str, imports: list[str], overrides: list[str], setup, mer
     experiment's own code) tears the job down and relaunches it, up to ``recover_retries``
     times; the master of the new attempt resumes from the last recover point.
     """
-    from realflow.system.recover import RecoverPoints
-
-    from realflow.system.recover import RecoverError
+    from realflow.base.name_resolve import NameResolveError, make_name_resolver
+    from realflow.system.recover import RecoverError, RecoverPoints
 
     os.makedirs(setup.run_dir, exist_ok=True)
     points = RecoverPoints(setup)
@@ -118,40 +118,48 @@ def launch(experiment: str, imports: list[str], overrides: list[str], setup, mer
     except RecoverError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        resolver = make_name_resolver(setup.name_resolve_config())
+        resolver.get_subtree(names.trial_root(setup.experiment_name, setup.trial_name))  # reachable?
+    except NameResolveError as e:
+        conf = setup.name_resolve_config()
+        print(f"error: name_resolve (type={conf.get('type', 'file')}): {e}".splitlines()[0], file=sys.stderr)
+        return 2
     if point is not None:
         print(f"resuming from the recover point of step {point.step}: {point.path} "
               "(recover_mode=off starts from scratch)", flush=True)
-    attempt = 0
-    while True:
-        rc, fault = _run_attempt(experiment, imports, overrides, setup, merged_console, attempt)
-        if rc == 0 or fault is None:
-            return rc
-        retries = setup.recover.retries
-        if setup.recover.mode != "auto" or attempt >= retries:
-            if setup.recover.mode == "auto":
-                print(f"error: giving up after {retries} relaunches (recover_retries={retries})", file=sys.stderr)
-            return rc
-        attempt += 1
-        latest = points.latest()
-        where = f"recover point of step {latest.step}" if latest else "the start (no recover point yet)"
-        print(f"fault: {fault}; relaunching ({attempt}/{retries}) from {where}", file=sys.stderr, flush=True)
+    try:
+        attempt = 0
+        while True:
+            rc, fault = _run_attempt(experiment, imports, overrides, setup, merged_console, attempt, resolver)
+            if rc == 0 or fault is None:
+                return rc
+            retries = setup.recover.retries
+            if setup.recover.mode != "auto" or attempt >= retries:
+                if setup.recover.mode == "auto":
+                    print(f"error: giving up after {retries} relaunches (recover_retries={retries})", file=sys.stderr)
+                return rc
+            attempt += 1
+            latest = points.latest()
+            where = f"recover point of step {latest.step}" if latest else "the start (no recover point yet)"
+            print(f"fault: {fault}; relaunching ({attempt}/{retries}) from {where}", file=sys.stderr, flush=True)
+    finally:
+        resolver.close()
 
 
 def _run_attempt(experiment: str, imports: list[str], overrides: list[str], setup, merged_console: bool,
-                 attempt: int) -> tuple[int, Optional[str]]:
+                 attempt: int, resolver) -> tuple[int, Optional[str]]:
     """One launch of every process; returns (exit code, the fault that ended it or None)."""
-    from realflow.base import names
-    from realflow.base.name_resolve import make_name_resolver
     from realflow.scheduler import make_scheduler
 
-    for stale in ("name_resolve", "progress.jsonl", "trace"):
+    for stale in ("progress.jsonl", "trace"):
         path = os.path.join(setup.run_dir, stale)
         if os.path.isdir(path):
             shutil.rmtree(path)
         elif os.path.exists(path):
             os.remove(path)
-    resolver = make_name_resolver(setup.name_resolve_config())  # a dead attempt's names must not be found
-    resolver.clear_subtree(names.trial_root(setup.experiment_name, setup.trial_name))
+    resolver.clear_subtree(  # a dead attempt's names must not be found
+        names.trial_root(setup.experiment_name, setup.trial_name))
     log_dir = os.path.join(setup.run_dir, "logs" if attempt == 0 else f"logs/retry{attempt}")
     requests = worker_requests(experiment, imports, overrides, setup)
     sched = make_scheduler(setup.deploy, log_dir, merged_console,
@@ -166,7 +174,6 @@ def _run_attempt(experiment: str, imports: list[str], overrides: list[str], setu
         # segments a dead consumer never mapped would otherwise outlive the run
         shm.cleanup_segments(shm.segment_prefix(setup.experiment_name, setup.trial_name))
         resolver.clear_subtree(names.trial_root(setup.experiment_name, setup.trial_name))
-        resolver.close()
 
 
 def worker_requests(experiment: str, imports: list[str], overrides: list[str], setup) -> list:

@@ -104,10 +104,7 @@ class StatsLogger:
 
             purge = None if resume_step is None else resume_step + 1
             self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir), purge_step=purge)
-        if jsonl and resume_step is not None:
-            self._keep_rows_until(resume_step)
-        mode = "a" if resume_step is not None else "w"
-        self._jsonl = open(self.jsonl_path, mode, buffering=1) if jsonl else None  # line-buffered
+        self._jsonl = StepLog(self.jsonl_path, resume_step) if jsonl else None
         self._closed = False
 
     def log(self, step: int, stats: Mapping[str, Any], prefix: str | None = None) -> dict[str, float]:
@@ -127,23 +124,8 @@ class StatsLogger:
             for name, v in row.items():
                 self._writer.add_scalar(name, v, global_step=step, walltime=wall)
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **row}) + "\n")
+            self._jsonl.write(step, row)
         return row
-
-    def _keep_rows_until(self, step: int) -> None:
-        if not self.jsonl_path.exists():
-            return
-        kept = []
-        with open(self.jsonl_path) as f:
-            for line in f:
-                try:
-                    if json.loads(line)["step"] <= step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut short by the crash
-        tmp = self.jsonl_path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, self.jsonl_path)
 
     def flush(self) -> None:
         if self._writer is not None:
@@ -165,6 +147,44 @@ class StatsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class StepLog:
+    """A jsonl file of per-step rows ``{"step": N, "time": ..., ...}``, line-buffered.
+
+    ``resume_step``: the run continues after that step (a recover point), so rows of later
+    steps, written by the attempt that failed, are dropped first; None: a fresh run.
+    """
+
+    def __init__(self, path: str | os.PathLike, resume_step: int | None = None) -> None:
+        self.path = Path(path)
+        if resume_step is not None:
+            self._keep_rows_until(resume_step)
+        self._f = open(self.path, "a" if resume_step is not None else "w", buffering=1)
+
+    def _keep_rows_until(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = []
+        with open(self.path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by the crash
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
+
+    def write(self, step: int, row: Mapping[str, Any]) -> None:
+        self._f.write(json.dumps({"step": step, "time": time.time(), **row}) + "\n")
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -40,6 +40,7 @@ from aiohttp import web
 
 from realflow.api.rollout import RolloutSpec
 from realflow.comm import shm
+from realflow.rollout.prompt_ledger import PromptLedger
 from realflow.rollout.server_pool import NoServerError, ServerPool, ServerState
 from realflow.rollout.weight_groups import WeightGroups
 
@@ -78,12 +79,24 @@ class Counts:
 class RolloutController:
     """State and operations of the controller; every method runs on its event loop."""
 
-    def __init__(self, spec: RolloutSpec, server_urls: list[str], api_key: Optional[str]) -> None:
+    def __init__(self, spec: RolloutSpec, server_urls: list[str], api_key: Optional[str],
+                 resume: Optional[dict[str, Any]] = None) -> None:
+        """``resume``: the rollout part of a recover point (``next_index``, ``pending`` prompt
+        numbers, ``consumed`` rollouts per admission version) when the run continues from one."""
         self.spec = spec
         self.pool = ServerPool(server_urls, api_key, request_timeout=spec.request_timeout_s)
         self.groups = WeightGroups(self.pool, spec.weight_sync, spec.weight_broadcast_timeout_s)
         self.version = 0
         self.counts = Counts()
+        self.ledger = PromptLedger()
+        if resume is not None:
+            self.ledger = PromptLedger(resume["next_index"], resume["pending"], resume.get("failed", 0))
+            # what was trained counts as admitted and finished; what was pending is handed out again.
+            # The weights stay at version 0 until the trainer's first round brings the servers to its
+            # version, and the admission limit of version 0 admits nothing before that round.
+            for v, n in resume["consumed"].items():
+                self.counts.admitted[int(v)] += int(n)
+                self.counts.finished[int(v)] += int(n)
         self.stopping = False
         self.fatal: Optional[str] = None  # why rollouts cannot go on (e.g. every server lost)
         self._changed: Optional[asyncio.Condition] = None
@@ -132,7 +145,8 @@ class RolloutController:
                 if self.counts.live_total < self.spec.admission_limit(self.version):
                     self.counts.admitted[self.version] += 1
                     self._seq += 1
-                    return {"admitted": True, "version": self.version, "seq": self._seq}
+                    return {"admitted": True, "version": self.version, "seq": self._seq,
+                            "index": self.ledger.hand_out()}
                 if not refused_once:
                     self.counts.refused += 1
                     refused_once = True
@@ -144,10 +158,13 @@ class RolloutController:
                 except asyncio.TimeoutError:
                     return {"admitted": False, "stop": False}
 
-    async def done(self, version: int, ok: bool, error: str = "") -> None:
-        """A rollout admitted at ``version`` reached the trainer (``ok``) or failed."""
+    async def done(self, version: int, ok: bool, error: str = "", index: Optional[int] = None,
+                   sample_id: str = "") -> None:
+        """A rollout admitted at ``version`` (prompt number ``index``) reached the trainer (``ok``) or failed."""
         if self.counts.admitted.get(version, 0) <= self.counts.failed[version] + self.counts.finished[version]:
             raise ValueError(f"/done for version {version}: no such rollout is running")
+        if index is not None:
+            self.ledger.finished(int(index), sample_id, ok)
         if ok:
             self.counts.finished[version] += 1
         else:
@@ -319,7 +336,9 @@ def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.
 
     async def done(request: web.Request) -> web.Response:
         body = await request.json()
-        await ctl.done(int(body["version"]), bool(body["ok"]), str(body.get("error", "")))
+        index = body.get("index")
+        await ctl.done(int(body["version"]), bool(body["ok"]), str(body.get("error", "")),
+                       None if index is None else int(index), str(body.get("id", "")))
         return web.json_response({"success": True})
 
     async def generate(request: web.Request) -> web.Response:
@@ -384,5 +403,14 @@ def master_handlers(ctl: RolloutController, loop: asyncio.AbstractEventLoop) -> 
         on_loop(_stop)
         return {"stopped": True}
 
+    def trained(payload: dict) -> dict:
+        """The trainer took these rollouts into a step: they are no longer pending."""
+        on_loop(ctl.ledger.trained, [str(i) for i in payload["ids"]])
+        return {"ok": True}
+
+    def data_state(payload: dict) -> dict:
+        return on_loop(ctl.ledger.state)
+
     return {"counts": counts, "update_weights": update_weights, "weight_plan": weight_plan, "finish": finish,
+            "trained": trained, "data_state": data_state,
             "ping": lambda payload: {"worker": "rollout_controller"}}

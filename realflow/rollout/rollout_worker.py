@@ -1,7 +1,9 @@
 """A rollout worker: runs agents on data rows and pushes finished trajectories to the trainer.
 
-Per admitted rollout (``/admit`` on the controller, which bounds staleness), the
-worker takes the next row of its shard of the prompt data set, runs the registered
+Per admitted rollout (``/admit`` on the controller, which bounds staleness and numbers
+the prompts it hands out, so that a recover point knows exactly which were handed out
+and which of those were trained), the worker takes the row of that number (the data
+set in a seeded order per epoch, the same in every worker), runs the registered
 agent on it (``await agent.run(row, ctx)``), turns the trajectories into a one-sample
 :class:`~realflow.api.batch.SequenceBatch` (:func:`~realflow.api.rollout.rollout_to_batch`)
 and sends it to a trainer model worker's trajectory inbox over the signed ZMQ data
@@ -173,6 +175,7 @@ class RolloutWorker:
             self.socks.append((f"model_worker/{w}", s))
         self._next_sock = itertools.cycle(range(len(self.socks)))
         self.rows = self._load_rows()
+        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its seeded permutation of the rows)
         self.session: Optional[aiohttp.ClientSession] = None
         self.n_ok = self.n_failed = 0
 
@@ -184,13 +187,14 @@ class RolloutWorker:
                                       prompt_format=PromptFormat(chat_template=bool(args.get("chat_template", False))))
         if self.index == 0:
             logger.info("prompt data set %s (%s): %s", spec.dataset_path, spec.dataset_format, ds.report)
-        return ds.shard(self.index, spec.n_rollout_workers)
+        return ds
 
-    def _row_order(self):
-        """Rows in a seeded order that changes every epoch: yields (epoch, row)."""
-        for epoch in itertools.count():
-            for i in self.rows.epoch_order(epoch):
-                yield epoch, self.rows[i]
+    def _row(self, index: int) -> tuple[int, Any]:
+        """(epoch, row) of the ``index``-th prompt the run hands out (the controller numbers them)."""
+        epoch, i = divmod(int(index), len(self.rows))
+        if self._order[0] != epoch:
+            self._order = (epoch, self.rows.epoch_order(epoch))
+        return epoch, self.rows[self._order[1][i]]
 
     # ------------------------------------------------------------ controller
 
@@ -215,7 +219,6 @@ class RolloutWorker:
         self.session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0))
         sem = asyncio.Semaphore(self.spec.max_concurrent_rollouts)
         tasks: set[asyncio.Task] = set()
-        rows = self._row_order()
         try:
             while True:
                 await sem.acquire()
@@ -226,8 +229,9 @@ class RolloutWorker:
                         logger.info("%s: controller says stop (%s)", self.name, adm.get("reason"))
                         break
                     continue
-                epoch, row = next(rows)
-                t = asyncio.create_task(self._rollout(row, epoch, int(adm["version"]), sem))
+                index = int(adm["index"])
+                epoch, row = self._row(index)
+                t = asyncio.create_task(self._rollout(row, epoch, index, int(adm["version"]), sem))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
         finally:
@@ -240,7 +244,7 @@ class RolloutWorker:
                 s.close(0)
             self.ctx.term()
 
-    async def _rollout(self, row: Any, epoch: int, version: int, sem: asyncio.Semaphore) -> None:
+    async def _rollout(self, row: Any, epoch: int, index: int, version: int, sem: asyncio.Semaphore) -> None:
         sid = f"{row.id}/e{epoch}"
         seed = zlib.crc32(f"{self.spec.seed}/{sid}".encode())
         ok, err = False, ""
@@ -261,7 +265,8 @@ class RolloutWorker:
             sem.release()
         if ok:
             self.n_ok += 1
-        await self.controller_call("/done", {"version": version, "ok": ok, "error": err[:500]})
+        await self.controller_call("/done", {"version": version, "ok": ok, "error": err[:500], "index": index,
+                                             "id": sid})
 
     async def _push(self, wire: dict) -> None:
         to, sock = self.socks[next(self._next_sock)]

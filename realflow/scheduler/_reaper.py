@@ -108,6 +108,7 @@ def main():
     if not groups and not strays:
         return
     _signal(groups, strays, signal.SIGTERM)
+    _signal(groups, strays, signal.SIGCONT)  # a stopped process handles its SIGTERM only once continued
     end = time.monotonic() + grace
     while time.monotonic() < end:
         groups, strays = _alive(groups, strays)

@@ -336,6 +336,8 @@ class LocalScheduler:
             strays = {**self._strays, **descendants(leaders)}  # also those that left the group
             if self._alive(pgids, strays):
                 self._signal(pgids, strays, signal.SIGTERM)
+                # a stopped (SIGSTOP, or hung in a debugger) process acts on SIGTERM only once continued
+                self._signal(pgids, strays, signal.SIGCONT)
                 self._wait_gone(pgids, strays, grace)
             if self._alive(pgids, strays):
                 left = self._alive(pgids, strays)

@@ -58,7 +58,20 @@ class AsyncMaster(Master):
         return self.setup.max_train_steps
 
     def _before_training(self) -> None:
+        if self.resume_from is not None:  # the servers start from the initial weights: bring them up to date
+            self._publish(self.role_version[self.policy_role])
         self._t_last = self._t_train0 = time.perf_counter()
+
+    # ---- recover points: the consumed counts and the rollout side's data position ----------------
+    def _recover_state(self) -> dict[str, Any]:
+        state = super()._recover_state()
+        state["consumed"] = {str(v): n for v, n in self.consumed.items()}
+        state["rollout"] = self.ep.call(self.controller, "data_state", {}, timeout=60.0)
+        return state
+
+    def _load_recover_state(self, state: dict[str, Any]) -> None:
+        super()._load_recover_state(state)
+        self.consumed.update({int(v): int(n) for v, n in state["consumed"].items()})
 
     def _after_step(self, stats: dict[str, float]) -> dict[str, float]:
         version = self.role_version[self.policy_role]
@@ -95,6 +108,7 @@ class AsyncMaster(Master):
         self.ep.call(self.controller, "finish", {}, timeout=60.0)
         times = c["round_times"]
         return {"weight_rounds": c["rounds"], "agent_errors": c["agent_errors"],
+                "rollout_data": self.ep.call(self.controller, "data_state", {}, timeout=60.0),
                 "mean_weight_update_s": sum(times) / len(times) if times else None,
                 "trained_samples_per_s": self._trained / max(time.perf_counter() - self._t_train0, 1e-9)}
 
@@ -134,6 +148,7 @@ class AsyncMaster(Master):
         for cand in chosen:
             by_worker[cand.worker].append(cand.id)
             self.consumed[cand.admit] += 1
+        self.ep.call(self.controller, "trained", {"ids": [c.id for c in chosen]}, timeout=60.0)
         parts = []
         reqs = {self._request(w, "take_trajectories", {"ids": ids}, 60.0): w for w, ids in by_worker.items()}
         for rid, reply in self._wait(list(reqs), 60.0).items():

@@ -21,7 +21,7 @@ from realflow.api.experiment import ExperimentSetup
 from realflow.api.mfc import MFCDef, ModelInterfaceType
 from realflow.base import names
 from realflow.base.logging import get_logger
-from realflow.base.stats import StatsLogger
+from realflow.base.stats import StatsLogger, StepLog
 from realflow.base.trace import Tracer, merge_traces
 from realflow.system.holders import HolderIndex, MissingKeyError
 from realflow.system.model_store import ModelStore
@@ -63,7 +63,11 @@ class Master:
         self.holders = HolderIndex()
         self.recover = RecoverPoints(setup)
         self.resume_from: Optional[RecoverPoint] = self.recover.resume_point()
-        self.stats = StatsLogger(setup.run_dir, resume_step=self.resume_from.step if self.resume_from else None)
+        resume_step = self.resume_from.step if self.resume_from else None
+        self.stats = StatsLogger(setup.run_dir, resume_step=resume_step)
+        # which samples each step trained: lineage for users, and the proof that a resumed run
+        # trains no sample twice and loses none
+        self.samples = StepLog(os.path.join(setup.run_dir, "samples.jsonl"), resume_step)
         self.tracer = Tracer("master", enabled=setup.trace)
         self.progress = ProgressReporter(setup.run_dir)
         self.batch_size = _batch_size(setup.mfcs)
@@ -142,6 +146,7 @@ class Master:
             files = sorted(os.path.join(trace_dir, f) for f in os.listdir(trace_dir) if f.endswith(".json"))
             summary["trace"] = str(merge_traces(files, os.path.join(s.run_dir, "trace.json")))
         self.stats.close()
+        self.samples.close()
         self.progress.finish(summary)
         return summary
 
@@ -221,6 +226,7 @@ class Master:
             for name, mfc_stats in results.items():
                 stats.update({f"{name}/{k}": v for k, v in mfc_stats.items()})
                 stats[f"time/{name}"] = time.perf_counter() - t
+        self.samples.write(self.step, {"ids": batch.ids})
         self._all("drop", {"ids": batch.ids}, 60.0)
         self.holders.drop(batch.ids)
         stats["time/step"] = time.perf_counter() - t0

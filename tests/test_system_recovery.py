@@ -225,3 +225,24 @@ def test_async_ppo_killed_mid_run_trains_no_rollout_twice_and_loses_none(async_r
     stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
     stale = [r["async/offpolicy_head_max"] for r in stats if "async/offpolicy_head_max" in r]
     assert len(stale) == 9 and max(stale) <= 4, stale
+
+
+@pytest.mark.timeout(400)
+def test_lost_generation_server_is_replaced_in_place_without_a_relaunch(async_root):
+    """The only server dies: the launcher starts a replacement, which gets the current weights
+    and rejoins routing; the experiment itself never restarts."""
+    trial = "server_replaced"
+    run_dir = async_root / "async-grpo-math" / trial
+    rc, out, _ = _run_with_fault(ASYNC, async_root, run_dir, "gen_server/0", signal.SIGKILL, 3,
+                                 f"trial_name={trial}", "max_train_steps=8")
+    assert rc == 0, out[-3000:]
+    assert "relaunching" not in out
+    assert [json.loads(line)["step"] for line in (run_dir / "samples.jsonl").read_text().splitlines()] == \
+        list(range(1, 9))
+    log = (run_dir / "logs" / "rollout_controller.log").read_text()
+    assert "generation server gen_server/0 replaced" in log and "joined at weight version" in log, log[-3000:]
+    assert (run_dir / "logs" / "gen_server" / "0.restart1.log").exists()
+    # the replacement generated the rollouts of the last steps with the trainer's current weights
+    stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
+    stale = [r["async/offpolicy_head_max"] for r in stats if "async/offpolicy_head_max" in r]
+    assert len(stale) == 8 and max(stale) <= 4, stale

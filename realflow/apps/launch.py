@@ -178,7 +178,8 @@ def _run_attempt(experiment: str, imports: list[str], overrides: list[str], setu
 
 def worker_requests(experiment: str, imports: list[str], overrides: list[str], setup) -> list:
     """Every process of the run: master, model workers and, for asynchronous runs, the
-    generation servers (expendable: the controller fails over), the rollout controller and
+    generation servers (expendable: the controller fails over, and the launcher starts a
+    replacement that rejoins it), the rollout controller and
     the rollout workers (services: stopped once the master is done)."""
     from realflow.scheduler import WorkerRequest
 
@@ -196,6 +197,8 @@ def worker_requests(experiment: str, imports: list[str], overrides: list[str], s
         reqs.append(WorkerRequest(f"model_worker/{i}", argv, env, n_threads=setup.worker_threads,
                                   kind="model_worker", gpus=1 if setup.deploy.slurm.gpus_per_node else 0))
     spec = setup.rollout
+    # a dead generation server is replaced in place (it rejoins the controller) when the run recovers
+    server_restarts = setup.recover.retries if setup.recover.mode == "auto" else 0
     if spec is not None:
         rentry = [sys.executable, "-m", "realflow.rollout.main"]
 
@@ -206,7 +209,7 @@ def worker_requests(experiment: str, imports: list[str], overrides: list[str], s
             reqs.append(WorkerRequest(f"gen_server/{i}", argv("gen_server", i), env,
                                       n_threads=spec.server_tp * setup.worker_threads, kind="gen_server",
                                       gpus=spec.server_tp if setup.deploy.slurm.gpus_per_node else 0,
-                                      expendable=True))
+                                      expendable=True, restarts=server_restarts))
         reqs.append(WorkerRequest("rollout_controller", argv("rollout_controller", 0), env, n_threads=1,
                                   kind="rollout", service=True))
         for i in range(spec.n_rollout_workers):

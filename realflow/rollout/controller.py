@@ -34,7 +34,7 @@ import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
@@ -80,11 +80,20 @@ class RolloutController:
     """State and operations of the controller; every method runs on its event loop."""
 
     def __init__(self, spec: RolloutSpec, server_urls: list[str], api_key: Optional[str],
-                 resume: Optional[dict[str, Any]] = None) -> None:
+                 resume: Optional[dict[str, Any]] = None,
+                 lookup_server: Optional[Callable[[int], Awaitable[Optional[str]]]] = None,
+                 rejoin_wait_s: float = 0.0) -> None:
         """``resume``: the rollout part of a recover point (``next_index``, ``pending`` prompt
-        numbers, ``consumed`` rollouts per admission version) when the run continues from one."""
+        numbers, ``consumed`` rollouts per admission version) when the run continues from one.
+        ``lookup_server(i)``: the address server ``i`` publishes now (a replacement started by
+        the launcher publishes a new one); ``rejoin_wait_s``: how long requests and the run
+        wait for a replacement when no server is up."""
         self.spec = spec
         self.pool = ServerPool(server_urls, api_key, request_timeout=spec.request_timeout_s)
+        self.pool.rejoin_wait_s = rejoin_wait_s
+        self.lookup_server = lookup_server
+        self.rejoin_wait_s = rejoin_wait_s
+        self._none_alive_since: Optional[float] = None
         self.groups = WeightGroups(self.pool, spec.weight_sync, spec.weight_broadcast_timeout_s)
         self.version = 0
         self.counts = Counts()
@@ -185,6 +194,9 @@ class RolloutController:
                 "round_times": list(self.round_times[-8:]), "rounds": len(self.round_times),
                 "stall_times": list(self.stall_times[-8:]),
                 "rounds_skipped": self.rounds_skipped, "broadcast_failures": self.groups.failures,
+                # a replacement server waits for the current weights: the trainer publishes them again
+                "weights_wanted": self.version > 0 and self._pending_round is None
+                and any(s.joining and s.alive for s in self.pool.servers),
                 "fatal": self.fatal}
 
     # ------------------------------------------------------------ weight-update rounds
@@ -200,7 +212,8 @@ class RolloutController:
         (A round with a broadcast is never pending when the next arrives: the writer's next
         publish waits for its send, which needs this round's receivers.)"""
         assert self._round_wakeup is not None
-        if version <= self.version:
+        refresh = version == self.version and any(s.joining for s in self.pool.servers)
+        if version <= self.version and not refresh:  # (a refresh brings a replacement server up to date)
             raise ValueError(f"update_weights to version {version}: the servers already run {self.version}")
         old = self._pending_round
         if old is not None:
@@ -271,7 +284,9 @@ class RolloutController:
             if isinstance(v, dict):
                 next(s for s in self.pool.servers if s.name == name).version = int(v["weight_version"])
         await self.pool.broadcast("/continue_generation", {})
-        self.pool.pick()  # raises NoServerError naming every server when none survived the round
+        self.pool.admit_joined(r.version)
+        if self.rejoin_wait_s <= 0:  # (else the health loop gives replacements rejoin_wait_s to come up)
+            self.pool.pick()  # raises NoServerError naming every server when none survived the round
         t1 = time.perf_counter()
         self.round_times.append(t1 - t0)
         self.stall_times.append(t1 - t_pause)
@@ -291,13 +306,33 @@ class RolloutController:
         while True:
             await asyncio.sleep(self.spec.health_interval_s)
             await self.pool.check_health()
-            if not self.pool.alive() and not self.fatal:
-                try:
-                    self.pool.pick()
-                except NoServerError as e:
-                    self.fatal = str(e)
-                    logger.error("%s", e)
-                    await self._notify()
+            await self._take_replacements()
+            self.pool.admit_joined(self.version)
+            if self.pool.alive():
+                self._none_alive_since = None
+            elif not self.fatal:
+                now = time.monotonic()
+                self._none_alive_since = self._none_alive_since or now
+                if now - self._none_alive_since >= self.rejoin_wait_s:
+                    try:
+                        self.pool.pick()
+                    except NoServerError as e:
+                        self.fatal = str(e)
+                        logger.error("%s", e)
+                        await self._notify()
+
+    async def _take_replacements(self) -> None:
+        """A lost server whose address changed was replaced (the launcher restarts dead servers):
+        it joins, takes the next weight-update round, and is routed to once current."""
+        if self.lookup_server is None:
+            return
+        for i, s in enumerate(list(self.pool.servers)):
+            if s.alive:
+                continue
+            url = await self.lookup_server(i)
+            if url and url.rstrip("/") != s.url:
+                self.pool.replace(i, url, self.version)
+                await self.pool.check_health()
 
 
 def _remove_older_checkpoints(path: str) -> None:

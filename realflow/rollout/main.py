@@ -22,13 +22,16 @@ from typing import Any, Optional
 from realflow.api.config import import_modules, parse_overrides
 from realflow.api.experiment import ExperimentSetup, experiment_registry
 from realflow.base import names
-from realflow.base.name_resolve import make_name_resolver
+from realflow.base.name_resolve import NameNotFound, make_name_resolver
 from realflow.base.network import host_address
 from realflow.comm.auth import http_token, secret_from_env
 
 logger = logging.getLogger("realflow.rollout.main")
 
 ROLES = ("gen_server", "rollout_controller", "rollout_worker")
+
+
+SERVER_REJOIN_WAIT_S = 120.0  # while no server is up, wait this long for the launcher's replacement
 
 
 def _setup(experiment: str, overrides: list[str]) -> ExperimentSetup:
@@ -103,7 +106,16 @@ def run_controller(setup: ExperimentSetup, secret: bytes) -> int:
     stop = threading.Event()
 
     async def main() -> None:
-        ctl = RolloutController(spec, urls, token, resume=_resume_state(setup))
+        async def lookup_server(i: int) -> Optional[str]:
+            key = names.gen_server_address(exp, trial, i)
+            try:
+                return await asyncio.to_thread(resolver.get, key)
+            except NameNotFound:
+                return None
+
+        restarts = setup.recover.mode == "auto" and setup.recover.retries > 0  # see launch.worker_requests
+        ctl = RolloutController(spec, urls, token, resume=_resume_state(setup), lookup_server=lookup_server,
+                                rejoin_wait_s=SERVER_REJOIN_WAIT_S if restarts else 0.0)
         await ctl.start()
         runner = web.AppRunner(build_controller_app(ctl, token), access_log=None)
         await runner.setup()

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -47,6 +48,7 @@ class ServerState:
     busy_s: float = 0.0  # seconds the server spent stepping its engine (from its /metrics)
     can_stage: bool = False  # its /health says weight_staging (see the controller's rounds)
     hostname: str = ""  # from its /health: servers on the trainer writer's host read shared memory
+    joining: bool = False  # a replacement: takes weight rounds, gets no requests until it holds the current version
 
 
 @dataclass
@@ -74,6 +76,7 @@ class ServerPool:
         self.session: Optional[aiohttp.ClientSession] = None
         self.tokens_generated = 0
         self.requests_failed_over = 0
+        self.rejoin_wait_s = 0.0  # how long a request waits for a replacement when no server is up
 
     async def start(self) -> None:
         # limit=0: as many connections as requests in flight (each waits for a whole generation)
@@ -95,12 +98,44 @@ class ServerPool:
             logger.error("generation server %s (%s) lost: %s; %d left", server.name, server.url, reason,
                          len(self.alive()))
 
+    def routable(self) -> list[ServerState]:
+        return [s for s in self.servers if s.alive and not s.joining]
+
     def pick(self) -> ServerState:
-        live = self.alive()
+        live = self.routable()
         if not live:
-            detail = "; ".join(f"{s.name} at {s.url}: {s.lost_reason}" for s in self.servers)
+            detail = "; ".join(f"{s.name} at {s.url}: {s.lost_reason or 'joining'}" for s in self.servers)
             raise NoServerError(f"no generation server is alive ({detail})")
         return min(live, key=lambda s: (s.outstanding_tokens, s.in_flight, s.name))
+
+    async def pick_waiting(self, timeout: float) -> ServerState:
+        """:meth:`pick`, but while every server is lost or joining, wait up to ``timeout`` for a
+        replacement to come up (the launcher restarts dead servers) before giving up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.pick()
+            except NoServerError:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    def replace(self, index: int, url: str, version_needed: int) -> ServerState:
+        """A new server at ``url`` takes the place of lost server ``index``; it is routed to once it
+        holds ``version_needed`` (the next weight-update round brings it there)."""
+        old = self.servers[index]
+        new = ServerState(old.name, url.rstrip("/"), joining=version_needed > 0)
+        self.servers[index] = new
+        logger.warning("generation server %s replaced: %s -> %s%s", old.name, old.url, new.url,
+                       f" (joins at weight version {version_needed})" if new.joining else "")
+        return new
+
+    def admit_joined(self, version: int) -> None:
+        """Route to replacements that now hold ``version``."""
+        for s in self.servers:
+            if s.joining and s.alive and s.version >= version:
+                s.joining = False
+                logger.info("generation server %s (%s) joined at weight version %d", s.name, s.url, s.version)
 
     async def call(self, server: ServerState, endpoint: str, body: Optional[dict] = None,
                    timeout: Optional[float] = None, method: str = "POST") -> Any:
@@ -174,7 +209,7 @@ class ServerPool:
             sp = dict(params, max_new_tokens=remaining, n=1)
             if base_seed is not None:  # a resumed request draws a fresh stream, not the start's again
                 sp["seed"] = int(base_seed) + len(out.output_ids)
-            server = self.pick()
+            server = await self.pick_waiting(self.rejoin_wait_s)
             charge = len(prompt_ids) + len(out.output_ids) + remaining
             server.outstanding_tokens += charge
             server.in_flight += 1

@@ -29,6 +29,7 @@ class WorkerRequest:
     gpus: int = 0  # accelerators this process uses (model workers and gen servers on GPU clusters)
     service: bool = False  # serves the others: the job is done without it exiting
     expendable: bool = False  # its death is logged, not fatal (its users fail over)
+    restarts: int = 0  # an expendable worker is started again up to this many times when it dies
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

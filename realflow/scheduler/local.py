@@ -112,6 +112,10 @@ class _Worker:
     group_gone: bool = False  # its process group was seen empty: never signal that pgid again
     service: bool = False  # serves the others: the job is done without it exiting
     expendable: bool = False  # its death is logged, not fatal (its users fail over)
+    restarts_left: int = 0  # an expendable worker that dies is started again this many more times
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    cwd: str | os.PathLike | None = None
+    starts: int = 1
 
     @property
     def pid(self) -> int:
@@ -139,7 +143,7 @@ class LocalScheduler:
     # ---- starting -------------------------------------------------------------------
     def submit(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
                n_threads: int = 1, cwd: str | os.PathLike | None = None, *, service: bool = False,
-               expendable: bool = False) -> int:
+               expendable: bool = False, restarts: int = 0) -> int:
         """Start worker ``name`` running ``argv``; returns its pid.
 
         ``env`` is added to this process's environment. The thread variables
@@ -147,7 +151,9 @@ class LocalScheduler:
         set differently in ``env``. REALFLOW_ROLE is set to ``name`` for log lines.
         A ``service`` (e.g. a generation server) runs until the other workers are done
         and is then stopped; an ``expendable`` service may die without failing the job
-        (its death is logged with its exit and last log lines; its clients fail over).
+        (its death is logged with its exit and last log lines; its clients fail over), and
+        is started again, with the same command, up to ``restarts`` times (a replacement
+        generation server rejoins its controller; the run never stops for it).
         """
         if self._closed:
             raise RuntimeError("LocalScheduler is closed")
@@ -191,7 +197,8 @@ class LocalScheduler:
                 except (FileNotFoundError, PermissionError) as e:
                     raise RuntimeError(f"cannot start worker '{name}': {argv[0]!r}: {e.strerror}") from None
             self._workers[name] = _Worker(name, argv, popen, log_path, service=service or expendable,
-                                          expendable=expendable)
+                                          expendable=expendable, restarts_left=restarts if expendable else 0,
+                                          env=child_env, cwd=cwd)
             self._tell_reaper(f"+ {popen.pid}")
         if self._console is not None:
             self._console.add(name, log_path)
@@ -217,7 +224,7 @@ class LocalScheduler:
         """Start every process of a run (see :mod:`realflow.scheduler.base`)."""
         for r in requests:
             self.submit(r.name, r.argv, env=r.env, n_threads=r.n_threads, service=r.service,
-                        expendable=r.expendable)
+                        expendable=r.expendable, restarts=r.restarts)
 
     # ---- watching -------------------------------------------------------------------
     @property
@@ -288,6 +295,39 @@ class LocalScheduler:
                 tail = "\n".join(f"    | {ln}" for ln in read_log_tail(w.log_path, 5))
                 logger.warning("expendable worker %s (pid %d) %s; the job goes on. Last lines of %s:\n%s",
                                n, w.pid, describe_exit(w.returncode), w.log_path, tail)
+                if w.restarts_left > 0:
+                    self._respawn(w)
+
+    def _respawn(self, w: _Worker) -> None:
+        """Start a dead expendable worker again with the same command (its own new log file)."""
+        with self._lock:
+            if self._closed:
+                return
+            self.stop_group(w)
+            w.restarts_left -= 1
+            w.starts += 1
+            w.log_path = w.log_path.with_name(f"{w.log_path.stem}.restart{w.starts - 1}.log")
+            with open(w.log_path, "wb") as log_file:
+                w.popen = subprocess.Popen(
+                    w.argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                    env=w.env, cwd=w.cwd, start_new_session=True, preexec_fn=make_child_setup(os.getpid()))
+            w.returncode, w.group_gone = None, False
+            self._lost_expendable.discard(w.name)
+            self._tell_reaper(f"+ {w.popen.pid}")
+        if self._console is not None:
+            self._console.add(w.name, w.log_path)
+        logger.warning("restarted worker %s (pid %d, start %d), log %s", w.name, w.pid, w.starts, w.log_path)
+
+    def stop_group(self, w: _Worker) -> None:
+        """Kill what is left of a dead worker's process group (its children) before replacing it."""
+        if w.group_gone:
+            return
+        members = group_members([w.pid]).get(w.pid, set())
+        if members:
+            self._signal([w.pid], {}, signal.SIGKILL)
+            self._wait_gone([w.pid], {}, 5.0)
+        w.group_gone = True
+        self._tell_reaper(f"- {w.pid}")
 
     def running(self) -> list[str]:
         """Names of workers that have not exited yet."""

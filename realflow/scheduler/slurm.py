@@ -112,7 +112,7 @@ class SlurmScheduler(LocalScheduler):
                 node = self._node_of[r.name]
                 argv = self.plan.srun_args(r.name, self.job_id, node) + list(r.argv)
                 LocalScheduler.submit(self, r.name, argv, env=r.env, n_threads=r.n_threads, service=r.service,
-                                      expendable=r.expendable)
+                                      expendable=r.expendable, restarts=r.restarts)
                 logger.info("%s runs on node %s (Slurm job %s)", r.name, node, self.job_id)
         except BaseException:
             self.stop_all()  # cancels the job, pending or running
@@ -156,7 +156,7 @@ class SlurmScheduler(LocalScheduler):
             stuck = [s for s in states if s.state == "PENDING" and s.reason in _HOPELESS]
             if stuck:
                 field = _HOPELESS[stuck[0].reason]
-                where = f"slurm.{field}={getattr(self.cfg, field)!r}: " if field else ""
+                where = f"slurm.{field}={getattr(self.cfg, field)!r}: " if field and getattr(self.cfg, field) else ""
                 raise SlurmError(f"{where}Slurm job {job} cannot start: {_summary(states)} (cancelled it)")
             if deadline.expired():
                 raise TimeoutError(f"Slurm job {job} ({self.job_name}) did not start within "

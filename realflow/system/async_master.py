@@ -47,6 +47,7 @@ class AsyncMaster(Master):
         self._trained = 0
         self._t_train0 = 0.0
         self._writer_host: str | None = None
+        self._refreshed = -1  # the version last published again for a replaced server
 
     # ---- hooks of Master.run ---------------------------------------------------------
     def _connect(self) -> None:
@@ -130,6 +131,10 @@ class AsyncMaster(Master):
         while True:
             self._check_lost()
             c = self._counts()
+            if c.get("weights_wanted") and self._refreshed != step:  # a replaced server needs them
+                self._refreshed = step
+                logger.info(f"a replaced generation server joins: publishing version {step} again")
+                self._publish(step)
             cands = [Candidate(r["id"], w, r["admit"], r["oldest"], r["newest"], r["seq"])
                      for w, rows in sorted(self._all("peek_trajectories", {}, 60.0).items()) for r in rows]
             outstanding = outstanding_per_version(c["admitted"], c["failed"], self.consumed)
@@ -196,6 +201,10 @@ class AsyncMaster(Master):
                 self._writer_host = self._all("describe", {}, 60.0, workers=workers[:1])[workers[0]]["host"]
             payload.update(self.ep.call(self.controller, "weight_plan", {"writer_host": self._writer_host},
                                         timeout=60.0))
+            if not payload["shm"] and not payload.get("group"):  # no server up: a replacement asks later
+                logger.warning(f"no generation server is up to receive version {version}; publishing it "
+                               "when a replacement joins")
+                return
         replies = self._all("publish_weights", payload, self.setup.mfc_timeout_s, workers=workers)
         got = [r for r in replies.values() if r.get("handle") or r.get("path") or r.get("broadcast")]
         if len(got) != 1:

@@ -110,6 +110,8 @@ class JobPlan:
 
 
 def process_need(r: WorkerRequest, cfg: Any) -> Need:
+    """CPUs (slurm.cpus_per_worker for model workers and gen servers, else the process's threads),
+    memory (slurm.mem_per_worker_mb, for every process, so each step states its share) and GPUs."""
     cpus = cfg.cpus_per_worker if cfg.cpus_per_worker and r.kind in SPREAD_KINDS else r.n_threads
     return Need(cpus, cfg.mem_per_worker_mb, r.gpus)
 
@@ -131,6 +133,9 @@ def _candidates(cfg: Any, nodes: Sequence[NodeInfo], nodelist: Sequence[str]) ->
         where = "the default partition"
     if not nodelist:
         return pool
+    twice = sorted({n for n in nodelist if list(nodelist).count(n) > 1})
+    if twice:
+        raise PlanError(f"slurm.nodelist={cfg.nodelist}: names {', '.join(twice)} more than once")
     by_name = {n.name: n for n in pool}
     unknown = [n for n in nodelist if n not in by_name]
     if unknown:

@@ -85,7 +85,7 @@ class SlurmScheduler(LocalScheduler):
     # ---- starting -------------------------------------------------------------------
     def submit(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
                n_threads: int = 1, cwd: str | os.PathLike | None = None, *, service: bool = False,
-               expendable: bool = False) -> int:
+               expendable: bool = False, restarts: int = 0) -> int:
         raise RuntimeError("SlurmScheduler runs a whole run as one Slurm job: pass every process to "
                            "start(requests) at once")
 

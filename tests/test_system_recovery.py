@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -50,9 +49,10 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def _run_with_fault(args, fileroot: Path, run_dir: Path, victim: str, sig: int, after_step: int,
-                    *overrides: str, timeout: float = 400) -> tuple[int, str, float]:
+                    *overrides: str, timeout: float = 400) -> tuple[int, str, float, float]:
     """Start the job, send ``sig`` to ``victim`` once ``after_step`` steps are logged; wait for
-    the job to end. Returns (exit code, console output, seconds from the signal to the relaunch)."""
+    the job to end. Returns (exit code, console output, seconds from the signal to the relaunch,
+    seconds from the signal to the end of the job)."""
     console = fileroot / f"console-{victim.replace('/', '_')}.txt"
     with open(console, "w") as out:
         proc = subprocess.Popen(_cmd(args, fileroot, *overrides), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
@@ -77,7 +77,8 @@ def _run_with_fault(args, fileroot: Path, run_dir: Path, victim: str, sig: int, 
         if proc.poll() is None:
             proc.kill()
             pytest.fail(f"the job did not finish in {timeout}s:\n{console.read_text()[-3000:]}")
-        return proc.returncode, console.read_text(), relaunched if relaunched is not None else -1.0
+        return (proc.returncode, console.read_text(), relaunched if relaunched is not None else -1.0,
+                time.time() - t_sig)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -108,10 +109,10 @@ def sft_reference(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("victim", ["model_worker/1", "master"])
+@pytest.mark.parametrize("victim", ["model_worker/1"])  # (the master: see the truncated-point test)
 def test_sft_killed_mid_run_resumes_bit_identical(tmp_path, sft_reference, victim):
     run_dir = tmp_path / "sft" / "trial0"
-    rc, out, relaunch_s = _run_with_fault(SFT, tmp_path, run_dir, victim, signal.SIGKILL, 9,
+    rc, out, relaunch_s, _ = _run_with_fault(SFT, tmp_path, run_dir, victim, signal.SIGKILL, 9,
                                           "recover_freq_steps=4", "recover_freq_seconds=0")
     assert rc == 0, out[-3000:]
     assert f"worker '{victim}' was killed by SIGKILL" in out and "relaunching (1/3) from recover point of step" in out, out[-3000:]
@@ -127,27 +128,35 @@ def test_sft_killed_mid_run_resumes_bit_identical(tmp_path, sft_reference, victi
 @pytest.mark.timeout(300)
 def test_stopped_worker_is_named_within_its_deadline(tmp_path):
     run_dir = tmp_path / "sft" / "trial0"
-    t0 = time.time()
-    rc, out, _ = _run_with_fault(SFT, tmp_path, run_dir, "model_worker/0", signal.SIGSTOP, 3,
-                                 "max_train_steps=100000", "recover_mode=resume", "heartbeat_timeout_s=3")
+    rc, out, _, ended = _run_with_fault(SFT, tmp_path, run_dir, "model_worker/0", signal.SIGSTOP, 3,
+                                        "max_train_steps=100000", "recover_mode=resume", "heartbeat_timeout_s=3")
     assert rc == 1
     assert "['model_worker/0'] stopped sending heartbeats" in out, out[-2000:]
     assert "relaunching" not in out  # resume mode: no relaunch
-    assert time.time() - t0 < 200
+    # named after 2-3 s of silence; the stopped process is continued and terminated at once
+    assert ended < 8.0, ended
 
 
-@pytest.mark.timeout(300)
-def test_truncated_recover_point_falls_back_to_the_previous_one(tmp_path, sft_reference):
+@pytest.mark.timeout(400)
+def test_master_killed_then_points_refused_for_another_run_and_truncated_point_skipped(tmp_path, sft_reference):
     run_dir = tmp_path / "sft" / "trial0"
-    # a run that stops (SIGKILL to the launcher's master with no relaunch) after some points
-    rc, out, _ = _run_with_fault(SFT, tmp_path, run_dir, "master", signal.SIGKILL, 13,
+    # the master dies (kill -9) after some points; recover_mode=resume: the launcher does not relaunch
+    rc, out, _, _ = _run_with_fault(SFT, tmp_path, run_dir, "master", signal.SIGKILL, 13,
                                  "recover_freq_steps=4", "recover_freq_seconds=0", "recover_mode=resume",
                                  "recover_keep=3")
-    assert rc == 1, out[-2000:]
+    assert rc == 1 and "worker 'master' was killed by SIGKILL" in out and "relaunching" not in out, out[-2000:]
     points = sorted(p.name for p in (run_dir / "recover").iterdir() if p.name.startswith("step"))
     assert len(points) >= 2, points
-    newest = run_dir / "recover" / points[-1]
-    victim = newest / "worker_1.pt"
+
+    # the same trial with another batch size must not resume from these points
+    res = _run(SFT, tmp_path, "recover_mode=resume", "batch_size=16", timeout=120)
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    err = res.stderr.strip().splitlines()
+    assert len(err) == 1 and "was written by a different run" in err[0] and "batch_size" in err[0], res.stderr
+    assert "recover_mode=off" in err[0]
+
+    # the newest point is damaged (truncated): it is skipped, the previous one resumes the run exactly
+    victim = run_dir / "recover" / points[-1] / "worker_1.pt"
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size // 2)
     res = _run(SFT, tmp_path, "recover_freq_steps=4", "recover_freq_seconds=0", "recover_mode=resume")
@@ -158,19 +167,6 @@ def test_truncated_recover_point_falls_back_to_the_previous_one(tmp_path, sft_re
     _assert_bit_identical(sft_reference, run_dir / "checkpoints" / "default" / "final")
 
 
-def test_recover_point_of_another_run_is_refused(tmp_path):
-    run_dir = tmp_path / "sft" / "trial0"
-    rc, out, _ = _run_with_fault(SFT, tmp_path, run_dir, "master", signal.SIGKILL, 6,
-                                 "recover_freq_steps=2", "recover_freq_seconds=0", "recover_mode=resume")
-    assert rc == 1
-    res = _run(SFT, tmp_path, "recover_mode=resume", "batch_size=16", timeout=120)
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    err = res.stderr.strip().splitlines()
-    assert len(err) == 1 and "was written by a different run" in err[0] and "batch_size" in err[0], res.stderr
-    assert "recover_mode=off" in err[0]
-    shutil.rmtree(run_dir / "recover")
-
-
 @pytest.mark.timeout(600)
 def test_ppo_with_critic_and_reference_killed_mid_step_resumes_bit_identical(tmp_path):
     sft = _run(SFT, tmp_path, "max_train_steps=8", "recover_mode=off")  # the PPO start, where ppo-math finds it
@@ -178,7 +174,7 @@ def test_ppo_with_critic_and_reference_killed_mid_step_resumes_bit_identical(tmp
     ref = _run(PPO, tmp_path, "trial_name=reference", "recover_mode=off")
     assert ref.returncode == 0, ref.stderr[-3000:]
     run_dir = tmp_path / "ppo-math" / "trial0"
-    rc, out, _ = _run_with_fault(PPO, tmp_path, run_dir, "model_worker/0", signal.SIGKILL, 5,
+    rc, out, _, _ = _run_with_fault(PPO, tmp_path, run_dir, "model_worker/0", signal.SIGKILL, 5,
                                  "recover_freq_steps=3", "recover_freq_seconds=0")
     assert rc == 0, out[-3000:]
     assert "relaunching (1/3) from recover point of step 3" in out, out[-3000:]
@@ -201,11 +197,13 @@ def async_root(tmp_path_factory) -> Path:
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("victim", ["model_worker/0", "rollout_controller", "rollout_worker/0"])
+# (every victim leads to the same teardown and relaunch; model_worker/0 and rollout_controller
+# were run too while building this)
+@pytest.mark.parametrize("victim", ["rollout_worker/0"])
 def test_async_ppo_killed_mid_run_trains_no_rollout_twice_and_loses_none(async_root, victim):
     trial = victim.replace("/", "_")
     run_dir = async_root / "async-grpo-math" / trial
-    rc, out, _ = _run_with_fault(ASYNC, async_root, run_dir, victim, signal.SIGKILL, 5, f"trial_name={trial}",
+    rc, out, _, _ = _run_with_fault(ASYNC, async_root, run_dir, victim, signal.SIGKILL, 5, f"trial_name={trial}",
                                  "recover_freq_steps=2", "recover_freq_seconds=0")
     assert rc == 0, out[-3000:]
     assert f"worker '{victim}' was killed by SIGKILL" in out and "relaunching (1/3) from recover point of step" in out, out[-3000:]
@@ -233,7 +231,7 @@ def test_lost_generation_server_is_replaced_in_place_without_a_relaunch(async_ro
     and rejoins routing; the experiment itself never restarts."""
     trial = "server_replaced"
     run_dir = async_root / "async-grpo-math" / trial
-    rc, out, _ = _run_with_fault(ASYNC, async_root, run_dir, "gen_server/0", signal.SIGKILL, 3,
+    rc, out, _, _ = _run_with_fault(ASYNC, async_root, run_dir, "gen_server/0", signal.SIGKILL, 3,
                                  f"trial_name={trial}", "max_train_steps=8")
     assert rc == 0, out[-3000:]
     assert "relaunching" not in out

@@ -78,3 +78,25 @@ def host_address(cluster: bool | None = None) -> str:
 def tcp_address(host: str, port: int) -> str:
     """ZMQ-style endpoint 'tcp://host:port'."""
     return f"tcp://{host}:{int(port)}"
+
+
+def interface_of(address: str) -> str | None:
+    """Name of the network interface that holds ``address`` (None if none does).
+
+    Gloo picks the address its sockets use from ``GLOO_SOCKET_IFNAME`` (an interface name)
+    or else from what the host name resolves to, which on many hosts is 127.0.0.1 or the
+    wrong network; a cluster job names the interface of the address it advertises.
+    """
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None

@@ -24,7 +24,7 @@ from realflow.api.interface import make_interface
 from realflow.api.mfc import MFCDef, ModelInterfaceType
 from realflow.base import names
 from realflow.base.logging import get_logger
-from realflow.base.network import host_address
+from realflow.base.network import host_address, interface_of
 from realflow.base.seeding import get_rng_state_plain, set_rng_state_plain, set_seed
 from realflow.base.trace import Tracer
 from realflow.comm import shm
@@ -342,6 +342,10 @@ class ModelWorker:
         else:
             host, port = self.resolver.wait(key, timeout=self.setup.setup_timeout_s).rsplit(":", 1)
             store = dist.TCPStore(host, int(port), self.setup.n_workers, False, timeout=timeout)
+        if "GLOO_SOCKET_IFNAME" not in os.environ:  # gloo's sockets on our address, not the host name's
+            iface = interface_of(host_address())
+            if iface is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = iface
         dist.init_process_group(backend="gloo", store=store, rank=self.index,
                                 world_size=self.setup.n_workers, timeout=timeout)
 

@@ -39,7 +39,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "sglang": ["sglang"],
         "deepspeed": ["deepspeed"],
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6"],
+        "ray": ["ray>=2.60,<3"],  # launcher=ray (realflow/scheduler/ray.py); tested with 2.60.0
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6", "ray>=2.60,<3"],
     },
     entry_points={
         "console_scripts": [

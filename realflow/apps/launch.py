@@ -150,7 +150,7 @@ def launch(experiment: str, imports: list[str], overrides: list[str], setup, mer
 def _run_attempt(experiment: str, imports: list[str], overrides: list[str], setup, merged_console: bool,
                  attempt: int, resolver) -> tuple[int, Optional[str]]:
     """One launch of every process; returns (exit code, the fault that ended it or None)."""
-    from realflow.scheduler import make_scheduler
+    from realflow.scheduler import SchedulerError, make_scheduler
 
     for stale in ("progress.jsonl", "trace"):
         path = os.path.join(setup.run_dir, stale)
@@ -166,7 +166,11 @@ def _run_attempt(experiment: str, imports: list[str], overrides: list[str], setu
                            job_name=f"realflow:{setup.experiment_name}:{setup.trial_name}")
     print(f"run directory: {setup.run_dir}  (logs: {log_dir})", flush=True)
     try:
-        sched.start(requests)
+        try:
+            sched.start(requests)
+        except SchedulerError as e:  # the cluster refused the job or could not place it: one line, no retry
+            print(f"error: {e}", file=sys.stderr)
+            return 2, None
         view = ConsoleView(setup.run_dir)
         return _follow(sched, view, setup)
     finally:
@@ -190,12 +194,14 @@ def worker_requests(experiment: str, imports: list[str], overrides: list[str], s
     for mod in BUILTIN_MODULES + imports:
         common += ["--import", mod]
     entry = [sys.executable, "-m", "realflow.system.worker_main"]
+    d = setup.deploy
+    on_gpus = (d.launcher == "slurm" and d.slurm.gpus_per_node > 0) or (d.launcher == "ray" and d.ray.gpus_per_worker > 0)
     reqs = [WorkerRequest("master", entry + ["--role", "master"] + common + ["--"] + overrides, env,
                           n_threads=1, kind="master")]
     for i in range(setup.n_workers):
         argv = entry + ["--role", "model_worker", "--index", str(i)] + common + ["--"] + overrides
         reqs.append(WorkerRequest(f"model_worker/{i}", argv, env, n_threads=setup.worker_threads,
-                                  kind="model_worker", gpus=1 if setup.deploy.slurm.gpus_per_node else 0))
+                                  kind="model_worker", gpus=1 if on_gpus else 0))
     spec = setup.rollout
     # a dead generation server is replaced in place (it rejoins the controller) when the run recovers
     server_restarts = setup.recover.retries if setup.recover.mode == "auto" else 0
@@ -208,7 +214,7 @@ def worker_requests(experiment: str, imports: list[str], overrides: list[str], s
         for i in range(spec.n_servers):
             reqs.append(WorkerRequest(f"gen_server/{i}", argv("gen_server", i), env,
                                       n_threads=spec.server_tp * setup.worker_threads, kind="gen_server",
-                                      gpus=spec.server_tp if setup.deploy.slurm.gpus_per_node else 0,
+                                      gpus=spec.server_tp if on_gpus else 0,
                                       expendable=True, restarts=server_restarts))
         reqs.append(WorkerRequest("rollout_controller", argv("rollout_controller", 0), env, n_threads=1,
                                   kind="rollout", service=True))

@@ -17,6 +17,11 @@ from typing import Any
 KINDS = ("master", "model_worker", "gen_server", "rollout")
 
 
+class SchedulerError(RuntimeError):
+    """A scheduler cannot start the job (the cluster refused it, or it cannot be placed);
+    the message names the setting to change."""
+
+
 @dataclass
 class WorkerRequest:
     """One process of a run: its name (scheduler name, log file, RPC identity), command and needs."""

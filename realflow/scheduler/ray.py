@@ -42,6 +42,7 @@ try:
 except ImportError as _e:  # pragma: no cover - depends on the install
     raise ImportError("launcher=ray needs Ray: pip install -c constraints.txt -e '.[ray]'") from _e
 
+from realflow.scheduler.base import SchedulerError
 from realflow.api.deploy import RayConfig
 from realflow.base.logging import get_logger
 from realflow.base.timeutil import Deadline, format_seconds
@@ -56,7 +57,7 @@ logger = get_logger("realflow.scheduler")
 LOST = -signal.SIGKILL  # return code of a worker whose actor (or node) died under it
 
 
-class RayError(RuntimeError):
+class RayError(SchedulerError):
     """The Ray cluster could not be reached, or could not place or start the workers."""
 
 

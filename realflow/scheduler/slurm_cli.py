@@ -15,6 +15,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from realflow.scheduler.base import SchedulerError
+
 TOOLS = ("sbatch", "srun", "squeue", "scancel", "scontrol", "sinfo")
 COMMAND_TIMEOUT = 30.0  # seconds for one sbatch/squeue/scancel/scontrol/sinfo call
 #: job states in which the job still holds (or will hold) resources
@@ -24,7 +26,7 @@ LIVE_STATES = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "
 _KEEP_VARS = ("SLURM_CONF",)
 
 
-class SlurmError(RuntimeError):
+class SlurmError(SchedulerError):
     """A Slurm command failed, timed out or is missing."""
 
 

@@ -136,8 +136,9 @@ def launch(experiment: str, imports: list[str], overrides: list[str], setup, mer
                 return rc
             retries = setup.recover.retries
             if setup.recover.mode != "auto" or attempt >= retries:
-                if setup.recover.mode == "auto":
-                    print(f"error: giving up after {retries} relaunches (recover_retries={retries})", file=sys.stderr)
+                why = (f"giving up after {retries} relaunches (recover_retries={retries})"
+                       if setup.recover.mode == "auto" else f"recover_mode={setup.recover.mode}: no automatic relaunch")
+                print(f"fault: {fault}; {why}", file=sys.stderr)
                 return rc
             attempt += 1
             latest = points.latest()

@@ -85,14 +85,9 @@ def start_gen_server(tmp_path_factory):
         return url, proc
 
     yield start
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+    from realflow.scheduler.proc import terminate_all
+
+    terminate_all(procs, grace=15)
 
 
 @pytest.fixture(scope="module")

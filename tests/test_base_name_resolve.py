@@ -28,6 +28,7 @@ from realflow.base.name_resolve import (
 )
 from realflow.base.name_resolve_redis import PASSWORD_ENV, RedisNameResolver, glob_escape
 from realflow.base.network import find_free_port
+from realflow.scheduler.proc import terminate_all
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,13 +107,7 @@ def start_redis(tmp_path_factory):
             time.sleep(0.05)
 
     yield start
-    for proc in procs:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    terminate_all(procs, grace=10)
 
 
 @pytest.fixture(scope="module")

@@ -47,14 +47,13 @@ from typing import Mapping, Sequence, TextIO
 
 from realflow.base.logging import get_logger
 from realflow.base.timeutil import Deadline, format_seconds
-from realflow.scheduler.base import WorkerRequest
+from realflow.scheduler.base import WatchLoop, WorkerFailed, WorkerRequest, describe_exit, read_log_tail  # noqa: F401 (re-exported)
 from realflow.scheduler.console import ConsoleTail
 from realflow.scheduler.proc import (
     descendants,
     group_members,
     make_child_setup,
     same_process_alive,
-    signal_name,
 )
 
 logger = get_logger("realflow.scheduler")
@@ -63,43 +62,6 @@ THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
 _NAME_RE = re.compile(r"^[A-Za-z0-9_\-][A-Za-z0-9_.\-]*(/[A-Za-z0-9_\-][A-Za-z0-9_.\-]*)*$")
 _REAPER = Path(__file__).with_name("_reaper.py")
 STRAY_SCAN_INTERVAL = 2.0  # seconds between /proc scans for workers' setsid descendants
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        return f"was killed by {signal_name(-returncode)} ({-returncode})"
-    return f"exited with code {returncode}"
-
-
-def read_log_tail(path: str | Path, n: int = 20, max_bytes: int = 64 * 1024) -> list[str]:
-    """Last ``n`` lines of a log file (empty list if it does not exist)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read()
-    except FileNotFoundError:
-        return []
-    return data.decode("utf-8", "replace").splitlines()[-n:]
-
-
-class WorkerFailed(RuntimeError):
-    """A worker exited non-zero or was killed; the job was stopped."""
-
-    def __init__(self, name: str, pid: int, returncode: int, log_path: Path,
-                 log_tail: list[str], others: Sequence[str] = (),
-                 returncodes: Mapping[str, int] | None = None) -> None:
-        self.name, self.pid, self.returncode = name, pid, returncode
-        #: every worker that had failed when the failure was noticed -> its exit code (negative: signal)
-        self.returncodes = dict(returncodes or {name: returncode})
-        self.signal = -returncode if returncode < 0 else None
-        self.log_path, self.log_tail = log_path, log_tail
-        head = f"worker '{name}' (pid {pid}) {describe_exit(returncode)}"
-        if others:
-            head += f"; also failed: {', '.join(others)}"
-        body = "\n".join(f"    | {ln}" for ln in log_tail) or "    (log is empty)"
-        super().__init__(f"{head}; all workers stopped. Last {len(log_tail)} lines of {log_path}:\n{body}")
 
 
 @dataclasses.dataclass
@@ -122,7 +84,7 @@ class _Worker:
         return self.popen.pid
 
 
-class LocalScheduler:
+class LocalScheduler(WatchLoop):
     """Starts, watches and stops worker processes on this host (see module docstring)."""
 
     def __init__(self, log_dir: str | os.PathLike, console: bool = True,
@@ -254,38 +216,9 @@ class LocalScheduler:
             out[w.name] = w.returncode
         return out
 
-    def wait(self, timeout: float | None = None, check_interval: float = 0.2) -> bool:
-        """Wait until every worker exited 0 and return True; False if ``timeout`` passed first.
-
-        A False return stops nothing, so a launcher can poll (``while not s.wait(0.5):
-        refresh_ui()``). Any worker exiting non-zero or killed: stop all and raise
-        WorkerFailed. Ctrl-C / SIGTERM while waiting: stop all, re-raise KeyboardInterrupt.
-        """
-        deadline = Deadline(timeout)
-        restore = self._install_sigterm()
-        try:
-            while True:
-                codes = self.poll()
-                failed = [n for n, rc in codes.items() if rc not in (None, 0)]
-                self._note_expendable([n for n in failed if self._workers[n].expendable])
-                failed = [n for n in failed if not self._workers[n].expendable]
-                if failed:
-                    self._fail(failed)
-                running = [n for n, rc in codes.items() if rc is None and not self._workers[n].service]
-                if running and time.monotonic() - self._last_scan > STRAY_SCAN_INTERVAL:
-                    self._remember_strays()
-                if not running:
-                    self.stop_all()  # reap leftover children of workers that exited 0
-                    return True
-                if deadline.expired():
-                    return False
-                deadline.sleep(check_interval)
-        except KeyboardInterrupt:
-            logger.warning("interrupted: stopping %d workers", len(self._workers))
-            self.stop_all()
-            raise
-        finally:
-            restore()
+    def _while_running(self) -> None:
+        if time.monotonic() - self._last_scan > STRAY_SCAN_INTERVAL:
+            self._remember_strays()
 
     def _note_expendable(self, dead: list[str]) -> None:
         for n in dead:
@@ -329,38 +262,11 @@ class LocalScheduler:
         w.group_gone = True
         self._tell_reaper(f"- {w.pid}")
 
-    def running(self) -> list[str]:
-        """Names of workers that have not exited yet."""
-        return [n for n, rc in self.poll().items() if rc is None]
-
-    def _fail(self, failed: list[str]) -> None:
-        self.stop_all()
-        first = self._workers[failed[0]]
-        # A worker killed *by us* while stopping shows a signal too; report the real
-        # failures only: those that had already exited when we noticed.
-        others = [f"{n} ({describe_exit(self._workers[n].returncode)})" for n in failed[1:]]
-        if self._console is not None:
-            self._console.poll(final=True)
-        tail = read_log_tail(first.log_path, self.tail_lines)
-        codes = {n: self._workers[n].returncode for n in failed}
-        raise WorkerFailed(first.name, first.pid, first.returncode, first.log_path, tail, others, codes)
-
     def _remember_strays(self) -> None:
         self._last_scan = time.monotonic()
         leaders = {w.pid for w in self._workers.values() if w.returncode is None}
         self._strays = {p: t for p, t in self._strays.items() if same_process_alive(p, t)}
         self._strays.update(descendants(leaders))
-
-    def _install_sigterm(self):
-        """Treat SIGTERM like Ctrl-C while waiting (e.g. 'kill <launcher>', scancel)."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def on_term(signum, frame):
-            raise KeyboardInterrupt(f"launcher received {signal_name(signum)}")
-
-        old = signal.signal(signal.SIGTERM, on_term)
-        return lambda: signal.signal(signal.SIGTERM, old)
 
     # ---- stopping -------------------------------------------------------------------
     def stop_all(self, grace: float | None = None) -> None:

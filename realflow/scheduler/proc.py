@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 from typing import Callable, Iterable
 
 from realflow.base.procfs import pid_alive, proc_stat as _stat  # noqa: F401 (re-exported)
@@ -89,3 +90,16 @@ def make_child_setup(launcher_pid: int, death_signal: int = signal.SIGTERM) -> C
             os._exit(1)
 
     return setup
+
+
+def terminate_all(procs: Iterable[subprocess.Popen], grace: float = 10.0) -> None:
+    """SIGTERM each process still running, SIGKILL it after ``grace`` seconds, reap it."""
+    for p in procs:
+        if p.poll() is not None:
+            continue
+        p.terminate()
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -42,14 +42,12 @@ try:
 except ImportError as _e:  # pragma: no cover - depends on the install
     raise ImportError("launcher=ray needs Ray: pip install -c constraints.txt -e '.[ray]'") from _e
 
-from realflow.scheduler.base import SchedulerError
 from realflow.api.deploy import RayConfig
 from realflow.base.logging import get_logger
-from realflow.base.timeutil import Deadline, format_seconds
-from realflow.scheduler.base import WorkerRequest
+from realflow.base.timeutil import format_seconds
+from realflow.scheduler.base import SchedulerError, WatchLoop, WorkerRequest, describe_exit, read_log_tail
 from realflow.scheduler.console import ConsoleTail
-from realflow.scheduler.local import THREAD_ENV_VARS, WorkerFailed, _sigint_deferred, describe_exit, read_log_tail
-from realflow.scheduler.proc import signal_name
+from realflow.scheduler.local import THREAD_ENV_VARS, _sigint_deferred
 from realflow.scheduler.ray_node import NodeRunner
 
 logger = get_logger("realflow.scheduler")
@@ -83,7 +81,7 @@ def _one_line(e: BaseException) -> str:
     return text.splitlines()[-1] if text else type(e).__name__
 
 
-class RayScheduler:
+class RayScheduler(WatchLoop):
     """Starts, watches and stops a run's workers as Ray actors (see module docstring).
 
     The interface is :class:`LocalScheduler`'s: ``start``/``submit``, ``wait`` (True once
@@ -260,37 +258,11 @@ class RayScheduler:
                     w.pending = w.actor.poll.remote()
             return {w.name: w.returncode for w in self._workers.values()}
 
-    def running(self) -> list[str]:
-        """Names of workers that have not exited yet."""
-        return [n for n, rc in self.poll().items() if rc is None]
-
-    def wait(self, timeout: float | None = None, check_interval: float = 0.2) -> bool:
-        """As :meth:`LocalScheduler.wait`: True when done, False on timeout, WorkerFailed on a failure."""
-        deadline = Deadline(timeout)
-        restore = _sigterm_as_interrupt()
-        try:
-            while True:
-                codes = self.poll()
-                failed = [n for n, rc in codes.items() if rc not in (None, 0)]
-                for n in failed:
-                    if self._workers[n].expendable and n not in self._lost_expendable:
-                        self._lost_expendable.add(n)
-                        self._expendable_died(self._workers[n])
-                failed = [n for n in failed if not self._workers[n].expendable]
-                if failed:
-                    self._fail(failed)
-                if not [n for n, rc in codes.items() if rc is None and not self._workers[n].service]:
-                    self.stop_all()  # the services, and leftover children of workers that exited 0
-                    return True
-                if deadline.expired():
-                    return False
-                deadline.sleep(check_interval)
-        except KeyboardInterrupt:
-            logger.warning("interrupted: stopping %d workers", len(self._workers))
-            self.stop_all()
-            raise
-        finally:
-            restore()
+    def _note_expendable(self, dead: list[str]) -> None:
+        for n in dead:
+            if n not in self._lost_expendable:
+                self._lost_expendable.add(n)
+                self._expendable_died(self._workers[n])
 
     def _expendable_died(self, w: _Worker) -> None:
         tail = "\n".join(f"    | {ln}" for ln in read_log_tail(w.log_path, 5))
@@ -310,16 +282,6 @@ class RayScheduler:
         if self._console is not None:
             self._console.add(w.name, w.log_path)
         logger.warning("restarted worker %s on %s (pid %d), log %s", w.name, w.host, w.pid, w.log_path)
-
-    def _fail(self, failed: list[str]) -> None:
-        self.stop_all()
-        first = self._workers[failed[0]]
-        others = [f"{n} ({describe_exit(self._workers[n].returncode)})" for n in failed[1:]]
-        if self._console is not None:
-            self._console.poll(final=True)
-        codes = {n: self._workers[n].returncode for n in failed}
-        raise WorkerFailed(first.name, first.pid, first.returncode, first.log_path,
-                           read_log_tail(first.log_path, self.tail_lines), others, codes)
 
     # ---- stopping ---------------------------------------------------------------------
     def stop_all(self, grace: float | None = None) -> None:
@@ -384,16 +346,4 @@ def _get_named(refs: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any],
 def _fmt(resources: Mapping[str, float]) -> str:
     shown = {k: v for k, v in resources.items() if k in ("CPU", "GPU") and v}
     return ", ".join(f"{v:g} {k}" for k, v in shown.items()) or "0 CPU"
-
-
-def _sigterm_as_interrupt():
-    """While waiting, SIGTERM to the launcher (kill, scancel) stops the workers like Ctrl-C."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt(f"launcher received {signal_name(signum)}")
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    return lambda: signal.signal(signal.SIGTERM, old)
 

@@ -184,8 +184,11 @@ def test_a_failing_step_raises_worker_failed_naming_it_and_the_job_goes(slurm, t
 
 
 _LAUNCHER = """
+import signal
 import sys
 from pathlib import Path
+# a launcher in a terminal gets Ctrl-C; one started from a background job inherits SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from realflow.api.deploy import SlurmConfig
 from realflow.scheduler.slurm import SlurmScheduler
 sys.path.insert(0, {tests!r})

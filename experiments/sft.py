@@ -71,6 +71,11 @@ class SFTConfig(BaseExperimentConfig):
     eval_freq_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0 = before and after)"})
     eval_max_new_tokens: int = field(default=16, metadata={"help": "greedy tokens per held-out prompt"})
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.eval_max_new_tokens < 0:
+            raise ValueError(f"eval_max_new_tokens={self.eval_max_new_tokens} must be >= 0")
+
     # ---- derived paths: pure functions of the config ------------------------------------------
     def _task(self) -> Any:
         from experiments.tasks.registry import get_task

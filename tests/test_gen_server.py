@@ -233,6 +233,10 @@ def test_bad_requests_get_4xx(client, server):
         ("/generate", {"input_ids": [[1], []]}, r"input_ids[1]"),
         ("/generate", {"input_ids": [1] * 300}, "context"),
         ("/generate", {"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
+        # bounded: one request may not ask for millions of sequences (it held the engine for minutes)
+        ("/generate", {"input_ids": [1], "sampling_params": {"n": 10_000_000, "max_new_tokens": 1}}, "at most 4096"),
+        ("/generate", {"input_ids": [[1]] * 100, "sampling_params": {"n": 41}}, "4100 sequences"),
+        ("/generate", b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
         ("/pause_generation", {"mode": "sideways"}, "mode"),
         ("/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}, "nonexistent"),
         ("/update_weights_from_disk", {}, "model_path"),

@@ -112,6 +112,15 @@ def _alive(pid: int) -> bool:
         (["optimzer.lr=1"], "unknown config key 'optimzer.lr'; did you mean optimizer.lr"),
         (["batch_size=many"], "bad value for batch_size: expected int, got 'many'"),
         (["allocation=d3"], "d3"),
+        # values that would run nothing, or nonsense, are refused instead of silently accepted
+        (["total_train_epochs=0"], "total_train_epochs=0 must be an integer >= 1"),
+        (["max_train_steps=-1"], "max_train_steps=-1 must be >= 1"),
+        (["save_freq_steps=-5"], "save_freq_steps=-5 must be >= 0"),
+        (["eval_max_new_tokens=-1"], "eval_max_new_tokens=-1 must be >= 0"),
+        (["worker_threads=0"], "worker_threads=0 must be >= 1"),
+        (["recover_mode=sometimes"], "recover_mode='sometimes': expected one of auto, resume, off"),
+        (["launcher=slurn"], "did you mean slurm"),
+        (["heartbeat_timeout_s=0.5"], "heartbeat_timeout_s=0.5 must be > 1"),
     ],
 )
 def test_bad_config_is_one_line_error(tmp_path, overrides, expected):

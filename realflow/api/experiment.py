@@ -114,6 +114,19 @@ class ExperimentSetup:
     recover: RecoverSpec = field(default_factory=lambda: RecoverSpec(mode="off"))
     rollout: Optional["RolloutSpec"] = None  # set: asynchronous PPO (trajectories come from the rollout side)
 
+    def __post_init__(self) -> None:
+        # values a run would accept and then do nothing with (0 epochs, -1 steps) are errors here
+        if not isinstance(self.total_train_epochs, int) or self.total_train_epochs < 1:
+            raise ValueError(f"total_train_epochs={self.total_train_epochs!r} must be an integer >= 1")
+        if self.max_train_steps is not None and self.max_train_steps < 1:
+            raise ValueError(f"max_train_steps={self.max_train_steps!r} must be >= 1 (or none: the epochs decide)")
+        if self.save_freq_steps < 0:
+            raise ValueError(f"save_freq_steps={self.save_freq_steps!r} must be >= 0 (0 = only at the end)")
+        if self.eval is not None and self.eval.freq_steps < 0:
+            raise ValueError(f"eval_freq_steps={self.eval.freq_steps!r} must be >= 0 (0 = before and after)")
+        if self.n_workers < 1:
+            raise ValueError(f"n_workers={self.n_workers!r} must be >= 1")
+
     def name_resolve_config(self) -> dict[str, Any]:
         """The name-resolution config every process of this run uses (the file backend
         defaults to a directory inside the run directory)."""

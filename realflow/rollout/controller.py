@@ -40,6 +40,7 @@ from aiohttp import web
 
 from realflow.api.rollout import RolloutSpec
 from realflow.comm import shm
+from realflow.rollout.gen_server import MAX_SEQUENCES_PER_REQUEST
 from realflow.rollout.prompt_ledger import PromptLedger
 from realflow.rollout.server_pool import NoServerError, ServerPool, ServerState
 from realflow.rollout.weight_groups import WeightGroups
@@ -362,6 +363,8 @@ def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.
             return await handler(request)
         except (ValueError, KeyError, TypeError) as e:
             return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
+        except RecursionError:
+            return web.json_response({"error": "body is nested too deeply"}, status=400)
         except NoServerError as e:
             return web.json_response({"error": str(e)}, status=503)
 
@@ -380,7 +383,9 @@ def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.
         body = await request.json()
         prompt = [int(t) for t in body["input_ids"]]
         params = dict(body.get("sampling_params") or {})
-        n = int(params.pop("n", 1))
+        n = params.pop("n", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SEQUENCES_PER_REQUEST:
+            raise ValueError(f"sampling_params.n={n!r}: must be an integer in [1, {MAX_SEQUENCES_PER_REQUEST}]")
         rid = str(body.get("rid") or f"req{id(body)}")
         seed = params.get("seed")
 

@@ -69,6 +69,9 @@ __all__ = ["GenServer", "build_app", "serve", "main"]
 logger = logging.getLogger("realflow.gen_server")
 
 MAX_BODY_BYTES = 64 << 20
+#: sequences one /generate may ask for (prompts x n): a request of 10 million one-token samples
+#: would otherwise hold the engine for minutes and grow without bound before anything runs
+MAX_SEQUENCES_PER_REQUEST = 4096
 
 
 # ---------------------------------------------------------------- request parsing
@@ -79,6 +82,8 @@ async def _json(request: web.Request) -> dict[str, Any]:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("body is nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
     return body
@@ -110,6 +115,10 @@ def _parse_generate(body: dict[str, Any]) -> tuple[list[Any], list[SamplingParam
             params = [SamplingParams.from_dict(sp) for _ in prompts]
     except ValueError as e:
         raise BadRequest(str(e)) from None
+    total = sum(p.n for p in params)
+    if total > MAX_SEQUENCES_PER_REQUEST:
+        raise BadRequest(f"sampling_params.n: {len(prompts)} prompt(s) x n asks for {total} sequences; at most "
+                         f"{MAX_SEQUENCES_PER_REQUEST} per request (send several requests)")
     rid = body.get("rid")
     if rid is None:
         base = uuid.uuid4().hex

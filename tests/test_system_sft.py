@@ -142,6 +142,19 @@ def test_bad_data_row_is_reported_with_file_and_line(tmp_path):
     assert len(err) == 1 and f"{data}:2:" in err[0], res.stderr
 
 
+def test_non_utf8_data_and_unusable_fileroot_are_one_line_errors(tmp_path):
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes(b'{"prompt": "1+1=", "solution": "#### 2", "answer": "2"}\n'
+                     b'{"prompt": "caf\xe9", "solution": "#### 1", "answer": "1"}\n')
+    res = run_sft(tmp_path, f"dataset.train_path={data}", f"dataset.test_path={data}", timeout=120)
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(err) == 1, res.stderr
+    assert f"{data}:2: not UTF-8 text: byte 0xe9" in err[0], err
+    res = run_sft("/proc/realflow-no-such-dir", timeout=120)  # not creatable, even for root
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(err) == 1 and "fileroot=/proc/realflow-no-such-dir" in err[0], res.stderr
+
+
 def test_unreadable_checkpoint_is_one_line_error(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

@@ -219,11 +219,16 @@ def read_jsonl(path: str | os.PathLike, bad: list | None = None) -> Iterator[tup
     or, when a ``bad`` list is given, is appended to it and skipped."""
     if not os.path.isfile(path):
         raise DataRowError(path, 0, "no such data file")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:  # decoded per line, so that a bad byte names its line
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataRowError(path, lineno, f"not UTF-8 text: byte 0x{raw[e.start]:02x} at column "
+                                                     f"{e.start + 1}") from None
                 obj = json.loads(line)
                 if not isinstance(obj, dict):
                     raise DataRowError(path, lineno, f"row must be a JSON object, got {type(obj).__name__}")

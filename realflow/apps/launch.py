@@ -16,6 +16,7 @@ import time
 from typing import Optional
 
 from realflow.api.config import ConfigError, format_help, import_modules, parse_overrides
+from realflow.api.dataset import DataRowError
 from realflow.api.experiment import experiment_registry
 from realflow.base import names
 from realflow.comm import shm
@@ -95,8 +96,13 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
     try:
         cfg.prepare()
         preflight(setup)
-    except PreflightError as e:
+    except (PreflightError, DataRowError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. an unwritable fileroot
+        where = f": {e.filename}" if e.filename else ""
+        print(f"error: cannot prepare the run (fileroot={setup.run_dir.rsplit('/', 2)[0]}): "
+              f"{e.strerror or e}{where}", file=sys.stderr)
         return 2
     return launch(experiment, imports, overrides, setup, merged_console=console)
 

@@ -8,6 +8,7 @@ The backend lock's stuck-holder warning is a unit test on real threads (no serve
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -341,3 +342,23 @@ def test_step_wait_warns_names_holder_and_keeps_waiting(caplog):
     assert stepped.is_set() and queued_done.is_set()
     times = [r.created for r in warnings()]
     assert all(b - a >= period * 0.9 for a, b in zip(times, times[1:])), times  # once per period
+
+
+def test_weight_update_from_a_damaged_checkpoint_is_4xx_and_changes_nothing(client, server, models, tmp_path):
+    import shutil
+
+    url, path = server[0], models["a"][0]
+    before = client.generate([1, 2, 3], {"max_new_tokens": 4, **GREEDY})["output_ids"]
+    truncated, broken, other = tmp_path / "truncated", tmp_path / "broken", tmp_path / "other"
+    for d in (truncated, broken, other):
+        shutil.copytree(path, d)
+    st = next(truncated.glob("*.safetensors"))
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    (broken / "config.json").write_text("{ not json")
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["hidden_size"] = cfg["hidden_size"] * 2
+    (other / "config.json").write_text(json.dumps(cfg))
+    for d, msg in ((truncated, "truncated or corrupt"), (broken, "not valid JSON"), (other, "hidden_size=")):
+        resp = requests.post(url + "/update_weights_from_disk", json={"model_path": str(d)}, timeout=60)
+        assert resp.status_code == 400 and msg in resp.json()["error"], (d, resp.status_code, resp.text)
+    assert client.generate([1, 2, 3], {"max_new_tokens": 4, **GREEDY})["output_ids"] == before

@@ -258,11 +258,43 @@ def mcore_from_hf_tensors(spec: ModelSpec, hf_config: Any, hf: Mapping[str, torc
 def load_hf_weights(path: str, hf_config: Any, spec: ModelSpec,
                     dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """This rank's megatron-named tensors (fresh, contiguous) from an HF checkpoint dir."""
+    check_same_architecture(path, hf_config)
     table = param_table(hf_config, spec.arch)
     names = [n for e in table for n in e.hf_names]
+    from safetensors import SafetensorError
+
     try:
         hf = read_hf_tensors(path, names)
     except KeyError as e:
         raise CheckpointError(f"tensor {e.args[0]} missing from checkpoint {path}") from None
+    except SafetensorError as e:  # truncated or corrupt file
+        raise CheckpointError(f"checkpoint {path} is unreadable (truncated or corrupt?): {e}") from None
     local = mcore_from_hf_tensors(spec, hf_config, hf)
     return {k: v.to(dtype or v.dtype).contiguous().clone() for k, v in local.items()}
+
+
+_ARCH_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size")
+
+
+def check_same_architecture(path: str, hf_config: Any) -> None:
+    """A checkpoint's config.json must parse and describe the model being served: weights of
+    another shape would fail half-way through a copy, or worse, load into the wrong slots."""
+    import json
+    import os
+
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} has no config.json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_path} must hold a JSON object")
+    ours = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    diff = [f"{k}={cfg.get(k)!r} (served: {ours.get(k)!r})" for k in _ARCH_FIELDS
+            if k in ours and cfg.get(k, ours.get(k)) != ours.get(k)]
+    if diff:
+        raise CheckpointError(f"checkpoint {path} is another architecture: {', '.join(diff)}")

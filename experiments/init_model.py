@@ -25,6 +25,18 @@ class TinyArchConfig:
     rope_theta: float = field(default=10000.0, metadata={"help": "rotary base"})
     tie_word_embeddings: bool = field(default=True, metadata={"help": "share input/output embeddings"})
 
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.arch.{name}={getattr(self, name)} must be >= 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"model.arch.hidden_size={self.hidden_size} must be a multiple of "
+                             f"num_attention_heads={self.num_attention_heads} (heads split the width)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"model.arch.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads} (query groups share a KV head)")
+
 
 def ensure_random_checkpoint(out_dir: str, tokenizer_dir: str, arch: TinyArchConfig, seed: int) -> str:
     """Write a seeded random Qwen2 model (and the tokenizer) to ``out_dir`` unless present."""

@@ -121,6 +121,9 @@ def _alive(pid: int) -> bool:
         (["recover_mode=sometimes"], "recover_mode='sometimes': expected one of auto, resume, off"),
         (["launcher=slurn"], "did you mean slurm"),
         (["heartbeat_timeout_s=0.5"], "heartbeat_timeout_s=0.5 must be > 1"),
+        (["model.arch.num_attention_heads=3"], "hidden_size=64 must be a multiple of num_attention_heads=3"),
+        # checked against the checkpoint that preparing the run creates, before any worker starts
+        (["allocation=d1t3", "n_workers=3"], "tp=3 does not divide num_attention_heads=4"),
     ],
 )
 def test_bad_config_is_one_line_error(tmp_path, overrides, expected):

@@ -96,7 +96,8 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
     try:
         cfg.prepare()
         preflight(setup)
-    except (PreflightError, DataRowError) as e:
+        compile_plan(setup)  # again: layouts are checked against checkpoints that prepare() just made
+    except (PreflightError, DataRowError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # e.g. an unwritable fileroot

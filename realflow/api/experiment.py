@@ -153,6 +153,12 @@ class NameResolveConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "etcd or redis host"})
     port: int = field(default=0, metadata={"help": "etcd or redis port (0 = the backend's default: 2379 etcd, 6379 redis)"})
 
+    def __post_init__(self) -> None:
+        if self.type not in ("file", "etcd", "redis"):
+            raise ValueError(f"name_resolve.type={self.type!r} is not a backend; choose file, etcd or redis")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"name_resolve.port={self.port} is not a port (0 = the backend's default)")
+
 
 @dataclass
 class BaseExperimentConfig:

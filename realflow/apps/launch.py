@@ -100,10 +100,11 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
     except (PreflightError, DataRowError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # e.g. an unwritable fileroot
+    except OSError as e:  # e.g. an unwritable fileroot, a missing data file
+        fileroot = setup.run_dir.rsplit("/", 2)[0]
         where = f": {e.filename}" if e.filename else ""
-        print(f"error: cannot prepare the run (fileroot={setup.run_dir.rsplit('/', 2)[0]}): "
-              f"{e.strerror or e}{where}", file=sys.stderr)
+        which = f" (fileroot={fileroot})" if str(e.filename or "").startswith(fileroot) else ""
+        print(f"error: cannot prepare the run{which}: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     return launch(experiment, imports, overrides, setup, merged_console=console)
 

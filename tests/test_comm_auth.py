@@ -1,6 +1,7 @@
 """Message signing: secrets from the environment, tampering, truncation, wrong secret, replay, addressing."""
 from __future__ import annotations
 
+import os
 import struct
 import time
 
@@ -122,3 +123,16 @@ def test_stale_message_from_unknown_session(monkeypatch):
     monkeypatch.setattr(time, "time", lambda: real_time() + 1000)
     with pytest.raises(AuthError, match="stale"):
         Verifier(SECRET, "master", max_age=120).verify(frames)
+
+
+def test_secret_file_is_private_and_read_back(tmp_path):
+    import stat
+
+    from realflow.comm.auth import SECRET_FILE_ENV, new_secret, secret_from_env, write_secret_file
+
+    secret = new_secret()
+    path = write_secret_file(str(tmp_path / ".secret"), secret)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert secret_from_env(environ={SECRET_FILE_ENV: path}) == secret
+    with pytest.raises(KeyError, match=f"{SECRET_FILE_ENV}=.*missing"):
+        secret_from_env(environ={SECRET_FILE_ENV: str(tmp_path / "missing")})

@@ -73,6 +73,7 @@ def test_every_listening_socket_of_a_run_is_loopback(tmp_path):
                              "max_train_steps=200", "dataset.n_train=2000", "dataset.n_test=16"],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: dict[str, str] = {}
+    environs: dict[int, bytes] = {}
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
@@ -80,6 +81,11 @@ def test_every_listening_socket_of_a_run_is_loopback(tmp_path):
             for pid in _descendants(proc.pid):
                 for inode in _socket_inodes(pid) & listening.keys():
                     seen[inode] = listening[inode]
+                try:
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        environs[pid] = f.read()
+                except OSError:
+                    pass
             if len(seen) >= 6 and os.path.exists(tmp_path / "sft" / "trial0" / "stats.jsonl"):
                 break  # master and workers are up and training
             time.sleep(0.5)
@@ -89,3 +95,8 @@ def test_every_listening_socket_of_a_run_is_loopback(tmp_path):
     assert len(seen) >= 6, f"too few listening sockets seen to judge: {seen}"
     public = {i: a for i, a in seen.items() if not _is_loopback(a)}
     assert not public, f"sockets listening beyond loopback (inode -> hex address): {public}"
+    # the experiment secret is in no process's environment: only the path of its 0600 file
+    secret_file = tmp_path / "sft" / "trial0" / ".secret"
+    assert environs and any(b"REALFLOW_SECRET_FILE=" + str(secret_file).encode() in e for e in environs.values())
+    assert not [pid for pid, e in environs.items() if b"REALFLOW_SECRET=" in e]
+    assert not secret_file.exists()  # removed when the run stops

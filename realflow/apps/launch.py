@@ -20,7 +20,7 @@ from realflow.api.dataset import DataRowError
 from realflow.api.experiment import experiment_registry
 from realflow.base import names
 from realflow.comm import shm
-from realflow.comm.auth import new_secret
+from realflow.comm.auth import SECRET_FILE_ENV, new_secret, write_secret_file
 from realflow.system.plan import compile_plan
 from realflow.system.preflight import PreflightError, preflight
 from realflow.system.progress import ProgressFollower
@@ -186,6 +186,8 @@ def _run_attempt(experiment: str, imports: list[str], overrides: list[str], setu
         sched.close()
         # segments a dead consumer never mapped would otherwise outlive the run
         shm.cleanup_segments(shm.segment_prefix(setup.experiment_name, setup.trial_name))
+        if os.path.exists(os.path.join(setup.run_dir, ".secret")):
+            os.remove(os.path.join(setup.run_dir, ".secret"))
         resolver.clear_subtree(names.trial_root(setup.experiment_name, setup.trial_name))
 
 
@@ -196,7 +198,8 @@ def worker_requests(experiment: str, imports: list[str], overrides: list[str], s
     the rollout workers (services: stopped once the master is done)."""
     from realflow.scheduler import WorkerRequest
 
-    env = {"REALFLOW_SECRET": new_secret().hex()}
+    # the secret travels as a path to a 0600 file: every child's environment holds only that
+    env = {SECRET_FILE_ENV: write_secret_file(os.path.join(setup.run_dir, ".secret"), new_secret())}
     if setup.deploy.cluster:  # bind and advertise the node's address, not loopback
         env["REALFLOW_CLUSTER"] = "1"
     common = ["--experiment", experiment]

@@ -67,6 +67,7 @@ __all__ = [
 ]
 
 SECRET_ENV = "REALFLOW_SECRET"
+SECRET_FILE_ENV = "REALFLOW_SECRET_FILE"
 MIN_SECRET_BYTES = 16
 MAC_BYTES = 32
 _VERSION = 2
@@ -116,20 +117,43 @@ def check_secret(secret: Any) -> bytes:
 
 
 def secret_from_env(var: str = SECRET_ENV, environ: Mapping[str, str] | None = None) -> bytes:
-    """Read the hex-encoded experiment secret from the environment (``REALFLOW_SECRET``)."""
+    """The experiment secret: from the 0600 file named by ``REALFLOW_SECRET_FILE`` (what the
+    launcher uses: the environment of every child process, and /proc/<pid>/environ, then
+    hold only a path), else hex from ``REALFLOW_SECRET`` (tests and hand-started workers)."""
     env = os.environ if environ is None else environ
-    value = env.get(var)
+    path = env.get(SECRET_FILE_ENV)
+    if path:
+        try:
+            with open(path) as f:
+                value, var = f.read(), f"{SECRET_FILE_ENV}={path}"
+        except OSError as e:
+            raise KeyError(f"cannot read the experiment secret from {SECRET_FILE_ENV}={path}: {e.strerror}") from None
+    else:
+        value = env.get(var)
     if not value:
         raise KeyError(f"environment variable {var} is not set; the launcher must export the experiment "
-                       f"secret as hex (realflow.comm.auth.secret_to_hex(new_secret()))")
+                       f"secret as hex (realflow.comm.auth.secret_to_hex(new_secret())) or name a file "
+                       f"holding it in {SECRET_FILE_ENV}")
     try:
         secret = bytes.fromhex(value.strip())
     except ValueError:
-        raise ValueError(f"environment variable {var} is not valid hex ({len(value)} characters)") from None
+        raise ValueError(f"{var} is not valid hex ({len(value)} characters)") from None
     try:
         return check_secret(secret)
     except ValueError as e:
-        raise ValueError(f"environment variable {var}: {e}") from None
+        raise ValueError(f"{var}: {e}") from None
+
+
+def write_secret_file(path: str, secret: bytes) -> str:
+    """Write ``secret`` as hex to a new file readable by this user only (0600, created so: never
+    world-readable even for an instant); returns ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, secret.hex().encode())
+    finally:
+        os.close(fd)
+    return path
 
 
 class Envelope(NamedTuple):

@@ -5,7 +5,7 @@
 
 Like the trainer's processes (:mod:`realflow.system.worker_main`), each rebuilds the
 experiment from the same command line, finds its peers through name resolution and
-authenticates with the experiment secret (``REALFLOW_SECRET``): HTTP services check a
+authenticates with the experiment secret (a 0600 file named by ``REALFLOW_SECRET_FILE``): HTTP services check a
 bearer token derived from it, ZMQ messages are signed with it.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@
 
 Each process rebuilds the experiment from the same command line (nothing is
 pickled between processes), finds its peers through name resolution, and talks to
-them over authenticated ZMQ sockets (secret from ``REALFLOW_SECRET``).
+them over authenticated ZMQ sockets (secret from the file named by ``REALFLOW_SECRET_FILE``).
 """
 from __future__ import annotations
 

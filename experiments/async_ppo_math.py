@@ -31,6 +31,7 @@ from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
 from realflow.api.experiment import (DatasetSpec, ExperimentSetup, ModelSpec, OptimizerConfig,
                                      register_experiment)
+from realflow.api.generation import GenServerLimits
 from realflow.api.rollout import RolloutError, RolloutSpec
 
 
@@ -56,6 +57,8 @@ class AsyncRolloutConfig:
     reward_processes: int = field(default=1, metadata={"help": "reward process pool size per rollout worker"})
     max_running_requests: int = field(default=128, metadata={"help": "KV-cache slots per generation server"})
     backend: str = field(default="builtin", metadata={"help": "generation backend: builtin | sglang"})
+    server_limits: GenServerLimits = field(default_factory=GenServerLimits, metadata={
+        "help": "what each generation server accepts (bounds -> 400/413, a full queue -> 429 + Retry-After)"})
 
 
 @dataclass
@@ -134,7 +137,7 @@ class _AsyncBase(_RLBase):
                 max_head_offpolicyness=r.max_head_offpolicyness, train_batch_size=self.batch_size,
                 weight_sync=r.weight_sync, weight_broadcast_timeout_s=r.weight_broadcast_timeout_s,
                 interrupt_mode=r.interrupt_mode, reward_timeout_s=r.reward_timeout_s,
-                reward_processes=r.reward_processes, seed=self.seed)
+                reward_processes=r.reward_processes, server_limits=r.server_limits, seed=self.seed)
         except RolloutError as e:
             raise RolloutError(f"rollout.{e}") from None
         return ExperimentSetup(

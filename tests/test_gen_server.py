@@ -362,3 +362,44 @@ def test_weight_update_from_a_damaged_checkpoint_is_4xx_and_changes_nothing(clie
         resp = requests.post(url + "/update_weights_from_disk", json={"model_path": str(d)}, timeout=60)
         assert resp.status_code == 400 and msg in resp.json()["error"], (d, resp.status_code, resp.text)
     assert client.generate([1, 2, 3], {"max_new_tokens": 4, **GREEDY})["output_ids"] == before
+
+
+def test_limits_name_the_field_and_a_full_queue_answers_429_with_retry_after(models, start_gen_server):
+    """Bounds from the server's config: over one -> 400/413 naming it; past the queued-token
+    budget -> 429 + Retry-After, which GenerationClient waits out; /health stays fast meanwhile."""
+    url, _ = start_gen_server(models["a"][0], "--max-running-requests", "4", "--max-new-tokens", "64",
+                              "--max-prompt-tokens", "32", "--max-body-bytes", "20000",
+                              "--max-queued-tokens", "300")
+    over = [
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 65}}, 400, "max_new_tokens"),
+        ({"input_ids": [1] * 33}, 400, "max_prompt_tokens"),
+        ({"input_ids": [[1]] * 10, "sampling_params": {"max_new_tokens": 40}}, 400, "max_queued_tokens"),
+        ({"input_ids": [1] * 8000}, 413, "max_body_bytes=20000"),
+    ]
+    for body, status, msg in over:
+        resp = requests.post(url + "/generate", json=body, timeout=30)
+        assert resp.status_code == status and msg in resp.json()["error"], (body, resp.status_code, resp.text)
+
+    # fill the queue: 4 x (1 + 60) tokens of 300, then one more request must wait for room
+    long = {"max_new_tokens": 60, **GREEDY}
+    with GenerationClient(url, timeout=30, generate_timeout=120) as c:
+        results: list = []
+        threads = [threading.Thread(target=lambda: results.append(c.generate([1], long))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while c.metrics()["realflow_gen_queued_tokens"] < 4 * 61 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        resp = requests.post(url + "/generate", json={"input_ids": [2], "sampling_params": long}, timeout=30)
+        assert resp.status_code == 429, resp.text
+        assert int(resp.headers["Retry-After"]) >= 1 and "max_queued_tokens" in resp.json()["error"]
+        t0 = time.monotonic()
+        assert requests.get(url + "/health", timeout=5).json()["status"] == "ok"
+        assert time.monotonic() - t0 < 1.0
+        # the client waits out the 429s and gets its answer once there is room
+        assert len(c.generate([2], long)["output_ids"]) == 60
+        for t in threads:
+            t.join(60)
+        assert len(results) == 4
+        m = c.metrics()
+        assert m["realflow_gen_overloaded_total"] >= 2 and m["realflow_gen_queued_tokens"] == 0

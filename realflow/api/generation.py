@@ -30,6 +30,7 @@ __all__ = [
     "GenerationBackend",
     "ExternalServerBackend",
     "BackendConfig",
+    "GenServerLimits",
     "generation_backends",
     "LOGPROB_MODES",
     "PAUSE_MODES",
@@ -238,6 +239,41 @@ class BackendConfig:
     dtype: str = "float32"
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GenServerLimits:
+    """What one generation server accepts; over a bound -> 400/413 naming the field, a full queue -> 429.
+
+    Why: a server is shared by many clients (rollout workers, agents, people with
+    curl); one request must not be able to hold the engine for minutes or grow the
+    process without bound.  ``None`` means "what the model allows": prompts shorter
+    than the context, ``max_new_tokens`` up to the context.  ``max_queued_tokens``
+    bounds the work waiting or running on the server, counted per sequence as
+    prompt tokens + the new tokens it may still produce; a request that would pass
+    it is answered 429 with ``Retry-After`` (the clients of realflow wait and retry).
+    """
+
+    max_sequences_per_request: int = field(default=4096, metadata={
+        "help": "prompts x n of one /generate"})
+    max_new_tokens: Optional[int] = field(default=None, metadata={
+        "help": "sampling_params.max_new_tokens at most this (None: the model's context)"})
+    max_prompt_tokens: Optional[int] = field(default=None, metadata={
+        "help": "tokens of one prompt at most this (None: shorter than the model's context)"})
+    max_body_bytes: int = field(default=64 << 20, metadata={"help": "HTTP request body size (413 above)"})
+    max_queued_tokens: int = field(default=16 << 20, metadata={
+        "help": "prompt + new tokens of all sequences waiting or running; a request past it gets 429"})
+
+    def validate(self) -> "GenServerLimits":
+        for name in ("max_sequences_per_request", "max_body_bytes", "max_queued_tokens"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name}={v!r}: must be an integer >= 1")
+        for name in ("max_new_tokens", "max_prompt_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise ValueError(f"{name}={v!r}: must be null (the model's context) or an integer >= 1")
+        return self
 
 
 BackendFactory = Callable[[BackendConfig], Any]  # -> GenerationBackend | ExternalServerBackend

@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from realflow.api.batch import SequenceBatch
+from realflow.api.generation import GenServerLimits
 
 __all__ = ["RolloutSpec", "Trajectory", "rollout_to_batch", "TRAJECTORY_KEYS", "VERSION_ADMIT",
            "VERSION_OLDEST", "VERSION_NEWEST", "WEIGHT_SYNC_MODES", "INTERRUPT_MODES", "RolloutError"]
@@ -74,6 +75,7 @@ class RolloutSpec:
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
     weight_broadcast_timeout_s: float = 120.0
+    server_limits: GenServerLimits = field(default_factory=GenServerLimits)
     seed: int = 1
 
     def __post_init__(self) -> None:
@@ -94,6 +96,10 @@ class RolloutSpec:
         for name in ("reward_timeout_s", "request_timeout_s", "health_interval_s", "weight_broadcast_timeout_s"):
             if not getattr(self, name) > 0:
                 raise bad(name, "must be > 0 seconds")
+        try:
+            self.server_limits.validate()
+        except ValueError as e:
+            raise RolloutError(f"server_limits.{e}") from None
 
     def admission_limit(self, version: int) -> int:
         """Rollouts that may have been admitted in total while the weights are at ``version``.

@@ -40,7 +40,6 @@ from aiohttp import web
 
 from realflow.api.rollout import RolloutSpec
 from realflow.comm import shm
-from realflow.rollout.gen_server import MAX_SEQUENCES_PER_REQUEST
 from realflow.rollout.prompt_ledger import PromptLedger
 from realflow.rollout.server_pool import NoServerError, ServerPool, ServerState
 from realflow.rollout.weight_groups import WeightGroups
@@ -384,8 +383,9 @@ def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.
         prompt = [int(t) for t in body["input_ids"]]
         params = dict(body.get("sampling_params") or {})
         n = params.pop("n", 1)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SEQUENCES_PER_REQUEST:
-            raise ValueError(f"sampling_params.n={n!r}: must be an integer in [1, {MAX_SEQUENCES_PER_REQUEST}]")
+        most = ctl.spec.server_limits.max_sequences_per_request
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= most:
+            raise ValueError(f"sampling_params.n={n!r}: must be an integer in [1, {most}]")
         rid = str(body.get("rid") or f"req{id(body)}")
         seed = params.get("seed")
 

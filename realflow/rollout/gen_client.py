@@ -2,12 +2,14 @@
 
 Every call has a timeout; a timeout or a refused connection raises
 :class:`GenerationServerError` naming the server URL and the endpoint, and a
-4xx/5xx answer raises it with the server's message.  In-memory weight updates
+4xx/5xx answer raises it with the server's message (``/generate`` first waits out
+429 "server full" answers for as long as its timeout allows).  In-memory weight updates
 go through POSIX shared memory (:mod:`realflow.comm.shm`): only a JSON handle
 travels over HTTP, never pickled tensors.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Mapping, Optional, Sequence
 
 import requests
@@ -18,9 +20,10 @@ __all__ = ["GenerationClient", "GenerationServerError", "parse_prometheus"]
 class GenerationServerError(RuntimeError):
     """A gen server call failed; ``status`` is the HTTP status (None: no answer)."""
 
-    def __init__(self, message: str, status: Optional[int] = None) -> None:
+    def __init__(self, message: str, status: Optional[int] = None, retry_after: Optional[float] = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after  # seconds, from a 429's Retry-After
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -64,9 +67,25 @@ class GenerationClient:
     # ------------------------------------------------------------ transport
 
     def _call(self, method: str, endpoint: str, body: Optional[dict[str, Any]] = None,
-              timeout: Optional[float] = None, raw: bool = False) -> Any:
-        url = self.base_url + endpoint
+              timeout: Optional[float] = None, raw: bool = False, wait_if_full: bool = False) -> Any:
+        """One call. ``wait_if_full``: a 429 (server full) is retried after its ``Retry-After``
+        for as long as ``timeout`` allows; then it raises like any other 4xx."""
         t = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + (t if t is not None else float("inf"))
+        while True:
+            try:
+                return self._call_once(method, endpoint, body, t, raw)
+            except GenerationServerError as e:
+                if not (wait_if_full and e.status == 429 and e.retry_after is not None
+                        and time.monotonic() + e.retry_after < deadline):
+                    raise
+                time.sleep(e.retry_after)
+                if t is not None:
+                    t = max(0.1, deadline - time.monotonic())
+
+    def _call_once(self, method: str, endpoint: str, body: Optional[dict[str, Any]],
+                   t: Optional[float], raw: bool) -> Any:
+        url = self.base_url + endpoint
         try:
             resp = self._session.request(method, url, json=body, timeout=t)
         except requests.Timeout:
@@ -80,8 +99,12 @@ class GenerationClient:
                 msg = resp.json().get("error") or resp.text
             except ValueError:
                 msg = resp.text
+            try:
+                retry_after: Optional[float] = float(resp.headers["Retry-After"])
+            except (KeyError, ValueError):
+                retry_after = None
             raise GenerationServerError(f"gen server {self.base_url} {method} {endpoint} -> "
-                                        f"{resp.status_code}: {msg}", resp.status_code)
+                                        f"{resp.status_code}: {msg}", resp.status_code, retry_after)
         if raw:
             return resp.text
         return resp.json()
@@ -104,7 +127,7 @@ class GenerationClient:
         if rid is not None:
             body["rid"] = rid
         return self._call("POST", "/generate", body,
-                          timeout if timeout is not None else self.generate_timeout)
+                          timeout if timeout is not None else self.generate_timeout, wait_if_full=True)
 
     def update_weights_from_disk(self, model_path: str, weight_version: Optional[int] = None,
                                  timeout: Optional[float] = None) -> dict[str, Any]:

@@ -55,31 +55,36 @@ import json
 import logging
 import sys
 import uuid
+from dataclasses import fields
 from typing import Any, Optional
 
 from aiohttp import web
 
-from realflow.api.generation import (PAUSE_MODES, BackendConfig, ExternalServerBackend,
-                                     GenerationResult, SamplingParams, generation_backends)
-from realflow.rollout.gen_server_state import BadRequest, GenServer
+from realflow.api.generation import (PAUSE_MODES, BackendConfig, ExternalServerBackend, GenerationResult,
+                                     GenServerLimits, SamplingParams, generation_backends)
+from realflow.rollout.gen_server_state import BadRequest, GenServer, Overloaded
 from realflow.rollout.gen_server_weight_group import weight_group_routes
 
 __all__ = ["GenServer", "build_app", "serve", "main"]
 
 logger = logging.getLogger("realflow.gen_server")
 
-MAX_BODY_BYTES = 64 << 20
-#: sequences one /generate may ask for (prompts x n): a request of 10 million one-token samples
-#: would otherwise hold the engine for minutes and grow without bound before anything runs
-MAX_SEQUENCES_PER_REQUEST = 4096
+#: sequences one /generate may ask for by default (prompts x n): a request of 10 million one-token
+#: samples would otherwise hold the engine for minutes and grow without bound before anything runs
+MAX_SEQUENCES_PER_REQUEST = GenServerLimits().max_sequences_per_request
+#: bodies larger than this are parsed on a worker thread, so /health never waits behind a parse
+_PARSE_ON_THREAD_BYTES = 256 << 10
+#: answers of more sequences than this are serialised on a worker thread (same reason)
+_SERIALISE_ON_THREAD = 256
 
 
 # ---------------------------------------------------------------- request parsing
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
     try:
-        body = await request.json()
+        body = await asyncio.to_thread(json.loads, raw) if len(raw) > _PARSE_ON_THREAD_BYTES else json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"body is not valid JSON: {e}") from None
     except RecursionError:
@@ -115,10 +120,6 @@ def _parse_generate(body: dict[str, Any]) -> tuple[list[Any], list[SamplingParam
             params = [SamplingParams.from_dict(sp) for _ in prompts]
     except ValueError as e:
         raise BadRequest(str(e)) from None
-    total = sum(p.n for p in params)
-    if total > MAX_SEQUENCES_PER_REQUEST:
-        raise BadRequest(f"sampling_params.n: {len(prompts)} prompt(s) x n asks for {total} sequences; at most "
-                         f"{MAX_SEQUENCES_PER_REQUEST} per request (send several requests)")
     rid = body.get("rid")
     if rid is None:
         base = uuid.uuid4().hex
@@ -167,6 +168,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
     SGLang's ``--api-key``); anything else is answered 401 before it is parsed.
     """
     expected = None if api_key is None else f"Bearer {api_key}"
+    max_body = server.admission.limits.max_body_bytes
 
     @web.middleware
     async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -179,6 +181,14 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
         except BadRequest as e:
             server.bad_requests_total += 1
             return web.json_response({"error": str(e), "success": False}, status=400)
+        except Overloaded as e:
+            return web.json_response({"error": str(e), "success": False, "retry_after_s": e.retry_after_s},
+                                     status=429, headers={"Retry-After": str(e.retry_after_s)})
+        except web.HTTPRequestEntityTooLarge:
+            server.bad_requests_total += 1
+            return web.json_response({"error": f"body of {request.content_length} bytes is larger than this "
+                                               f"server takes: max_body_bytes={max_body}", "success": False},
+                                     status=413)
         except web.HTTPException as e:
             if e.status >= 400:
                 server.bad_requests_total += 1
@@ -192,16 +202,19 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
 
     async def generate(request: web.Request) -> web.Response:
         prompts, params, rids, ret_lp, one_object = _parse_generate(await _json(request))
-        waiters = server.submit(prompts, params, rids)
+        waiters = await server.submit(prompts, params, rids)
         try:
-            groups = [await w.future for w in waiters]
+            groups = await asyncio.gather(*(w.future for w in waiters))
         except asyncio.CancelledError:  # client went away: free the batch slots
-            for rid in rids:
-                server.abort(rid)
+            server.abort_later(rids)
             raise
-        out = [_result_json(server, r, ret_lp)
-               for g in groups for r in sorted(g, key=lambda x: x.index)]
-        return web.json_response(out[0] if one_object else out)
+        def answer() -> str:
+            out = [_result_json(server, r, ret_lp) for g in groups for r in sorted(g, key=lambda x: x.index)]
+            return json.dumps(out[0] if one_object else out)
+
+        n_results = sum(len(g) for g in groups)
+        text = await asyncio.to_thread(answer) if n_results > _SERIALISE_ON_THREAD else answer()
+        return web.Response(text=text, content_type="application/json")
 
     async def update_from_disk(request: web.Request) -> web.Response:
         body = await _json(request)
@@ -270,17 +283,15 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
         mode = body.get("mode", "abort")
         if mode not in PAUSE_MODES:
             raise BadRequest(f"mode={mode!r}: expected one of {PAUSE_MODES}")
-        n = server.pause(mode)
+        n = await server.pause(mode)
         return web.json_response({"success": True, "mode": mode, "aborted": n})
 
     async def resume(request: web.Request) -> web.Response:
-        server.resume()
+        await server.resume()
         return web.json_response({"success": True})
 
     async def flush(request: web.Request) -> web.Response:
-        with server.lock:
-            server.backend.flush_cache()
-        server.wake.set()
+        await server.flush_cache()
         return web.json_response({"success": True})
 
     async def abort(request: web.Request) -> web.Response:
@@ -288,7 +299,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
         rid = body.get("rid")
         if not isinstance(rid, str) or not rid:
             raise BadRequest("rid (string) is required")
-        return web.json_response({"success": True, "aborted": server.abort(rid)})
+        return web.json_response({"success": True, "aborted": await server.abort(rid)})
 
     async def health(request: web.Request) -> web.Response:
         alive = server.thread.is_alive()
@@ -304,7 +315,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
                                   "max_context": b.max_context, "vocab_size": b.vocab_size})
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=server.metrics_text(), content_type="text/plain")
+        return web.Response(text=await server.metrics_text(), content_type="text/plain")
 
     async def on_startup(app: web.Application) -> None:
         server.start()
@@ -313,7 +324,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
         server.stop()
 
     group_routes, group_cleanup = weight_group_routes(server, _json, _version, bind_host)
-    app = web.Application(middlewares=[errors], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[errors], client_max_size=max_body)
     app.add_routes(group_routes)
     app.add_routes([
         web.post("/generate", generate),
@@ -379,7 +390,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--api-key-env", default=None,
                     help="environment variable holding the API key clients must send (Bearer)")
+    for f in fields(GenServerLimits):
+        ap.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=f.metadata["help"])
     a = ap.parse_args(argv)
+    try:
+        limits = GenServerLimits(**{f.name: getattr(a, f.name) for f in fields(GenServerLimits)}).validate()
+    except ValueError as e:
+        ap.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gen_server %(levelname)s %(message)s")
     if a.threads:
         import torch
@@ -394,7 +411,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     backend = factory(cfg)
     if isinstance(backend, ExternalServerBackend) and not hasattr(backend, "step"):
         return backend.serve(a.host, a.port)
-    server = GenServer(backend, a.model)
+    server = GenServer(backend, a.model, limits)
     try:
         api_key = os.environ[a.api_key_env] if a.api_key_env else None
         asyncio.run(serve(build_app(server, api_key, bind_host=a.host), a.host, a.port))

@@ -3,14 +3,18 @@
 Why a module of its own: this is the part with threads and locks; the HTTP API
 (:mod:`realflow.rollout.gen_server`) only parses requests and calls into it.
 
-Concurrency: the backend is stepped by ONE thread; HTTP handlers (asyncio)
-only enqueue under the same lock, so requests join the running batch at the
-next step.  The lock is fair (:class:`_BackendLock`): it is handed to a waiting
-handler before the next step, so a pause, an abort or a metrics read takes
-effect between two steps, not when the batch has drained.  No silent hangs:
-a step thread kept waiting for the lock longer than :data:`STEP_WAIT_WARN_S`
-logs a warning naming the holder, once per such period, and keeps waiting (a
-weight update may legitimately hold the lock that long).
+Concurrency: the backend is stepped by ONE thread.  HTTP handlers (asyncio) never
+take the backend lock themselves: they queue operations (add these prompts, abort,
+pause, continue, read stats) that the step thread runs, in arrival order, before
+its next step (:meth:`GenServer.on_step_thread`), so a request joins the running
+batch at the next step and a pause takes effect between two steps -- and the event
+loop is never blocked behind the engine, so ``/health`` answers at once under any
+load.  Weight updates hold the lock from a worker thread (they may take long); the
+lock is fair (:class:`_BackendLock`): a waiting holder gets it before the next
+step.  No silent hangs: a step thread kept waiting for the lock longer than
+:data:`STEP_WAIT_WARN_S` logs a warning naming the holder, once per such period,
+and keeps waiting (a weight update may legitimately hold the lock that long); an
+operation not run within :data:`OP_TIMEOUT_S` fails naming the lock's holder.
 """
 from __future__ import annotations
 
@@ -20,17 +24,19 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
-from realflow.api.generation import GenerationResult, SamplingParams
+from realflow.api.generation import GenerationResult, GenServerLimits, SamplingParams
+from realflow.rollout.gen_server_admission import Admission, Overloaded
 
-__all__ = ["BadRequest", "GenServer", "STEP_WAIT_WARN_S"]
+__all__ = ["BadRequest", "GenServer", "Overloaded", "STEP_WAIT_WARN_S"]
 
 # The HTTP module's logger name, kept so that log configuration and filters see one server.
 logger = logging.getLogger("realflow.gen_server")
 
 STEP_WAIT_WARN_S = 30.0  # step thread kept from the backend this long -> warn (then again each period)
 _WAIT_SLICE_S = 1.0  # the step thread re-checks (and may warn) at least this often while waiting
+OP_TIMEOUT_S = 300.0  # a handler's operation not run by the step thread in this long -> error naming why
 
 
 class BadRequest(ValueError):
@@ -40,8 +46,9 @@ class BadRequest(ValueError):
 class _Pending:
     """Results of one HTTP request, filled by the step thread."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, expected: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, expected: int, cost: int) -> None:
         self.loop, self.expected = loop, expected
+        self.cost = cost  # queued tokens each of its sequences holds until delivered (see Admission)
         self.results: list[GenerationResult] = []
         self.future: asyncio.Future = loop.create_future()
 
@@ -92,6 +99,12 @@ class _BackendLock:
         self._holder = None
         self._lock.release()
 
+    def holder_text(self) -> str:
+        holder = self._holder
+        if holder is None:
+            return "not held"
+        return f"held by thread {holder[0]!r} for {time.monotonic() - holder[1]:.1f} s"
+
     @contextlib.contextmanager
     def for_step(self) -> Iterator[None]:
         self._acquire_for_step()
@@ -127,9 +140,10 @@ class _BackendLock:
 class GenServer:
     """Owns the backend, its step thread and the bookkeeping of pending requests."""
 
-    def __init__(self, backend: Any, model_path: str = "") -> None:
+    def __init__(self, backend: Any, model_path: str = "", limits: Optional[GenServerLimits] = None) -> None:
         self.backend = backend
         self.model_path = model_path
+        self.admission = Admission(limits or GenServerLimits(), backend.max_context)
         self.lock = _BackendLock()  # serialises every backend call (see _BackendLock)
         # staging builds new weights beside the backend's (no backend lock): one at a time
         self.stage_lock = threading.Lock()
@@ -140,6 +154,8 @@ class GenServer:
         self.stopping = threading.Event()
         self.paused = False
         self.pending: dict[str, _Pending] = {}  # request rid -> its waiters
+        # operations handlers queued for the step thread: (fn, loop, future or None), FIFO
+        self._ops: list[tuple[Callable[[], Any], Optional[asyncio.AbstractEventLoop], Optional[asyncio.Future]]] = []
         self.requests_total = 0
         self.bad_requests_total = 0
         self.aborted_total = 0
@@ -187,6 +203,7 @@ class GenServer:
         while not self.stopping.is_set():
             results: list[GenerationResult] = []
             with self.lock.for_step():
+                self._run_ops()
                 busy = not self.paused and self.backend.has_work()
                 if busy:
                     try:
@@ -195,12 +212,46 @@ class GenServer:
                         logger.exception("generation step failed")
                         self.step_error = f"{type(e).__name__}: {e}"
                         results = self.backend.pause("abort")
-                    self._window.append((time.monotonic(),
-                                         float(self.backend.stats()["tokens_generated"])))
+                    point = (time.monotonic(), float(self.backend.stats()["tokens_generated"]))
+                    with self._plock:
+                        self._window.append(point)
             self._deliver(results)
             if not busy:
                 self.wake.wait(0.05)
                 self.wake.clear()
+
+    def _run_ops(self) -> None:
+        """Run the operations handlers queued, in arrival order (the step thread holds the lock)."""
+        with self._plock:
+            ops, self._ops = self._ops, []
+        for fn, loop, fut in ops:
+            try:
+                value, exc = fn(), None
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                value, exc = None, e
+            if fut is not None:
+                loop.call_soon_threadsafe(_set_outcome, fut, value, exc)
+
+    async def on_step_thread(self, fn: Callable[[], Any], timeout_s: float = OP_TIMEOUT_S) -> Any:
+        """``fn()`` run by the step thread between two steps, under the backend lock.
+
+        Why: a handler that took the lock itself would stop the event loop for up to a
+        step (and a thousand handlers for a thousand steps): /health would wait behind them."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._post(fn, loop, fut)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except asyncio.TimeoutError:
+            holder = self.lock.holder_text()
+            raise RuntimeError(f"the step thread did not run the operation within {timeout_s:.0f} s "
+                               f"(step thread alive: {self.thread.is_alive()}; backend lock {holder})") from None
+
+    def _post(self, fn: Callable[[], Any], loop: Optional[asyncio.AbstractEventLoop] = None,
+              fut: Optional[asyncio.Future] = None) -> None:
+        with self._plock:
+            self._ops.append((fn, loop, fut))
+        self.wake.set()
 
     def _deliver(self, results: list[GenerationResult]) -> None:
         with self._plock:
@@ -212,73 +263,109 @@ class GenServer:
             if p is None:
                 continue
             p.results.append(r)
+            self.admission.release(p.cost)
             if len(p.results) == p.expected:
                 self.pending.pop(r.request_rid, None)
-                p.loop.call_soon_threadsafe(_set_result, p.future, p.results)
+                p.loop.call_soon_threadsafe(_set_outcome, p.future, p.results, None)
 
-    # ------------------------------------------------------------ operations
+    # ------------------------------------------------------------ operations (event loop)
 
-    def submit(self, prompts: list[Any], params: list[SamplingParams], rids: list[str]
-               ) -> list[_Pending]:
-        """Add every prompt or none (a bad one aborts those already added)."""
+    async def submit(self, prompts: list[Any], params: list[SamplingParams], rids: list[str]
+                     ) -> list[_Pending]:
+        """Add every prompt or none (a bad one aborts those already added); returns the waiters.
+
+        Bounds are checked and queued tokens reserved on the event loop, without the
+        backend lock: a request over a bound (:class:`BadRequest`) or past the queue
+        (:class:`Overloaded`) costs the engine nothing.  The prompts are added by the
+        step thread between two steps."""
         loop = asyncio.get_running_loop()
-        added: list[str] = []
-        waiters: list[_Pending] = []
-        with self.lock:
+        try:
+            costs = self.admission.sequence_costs(prompts, params)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        reserved = sum(c * sp.n for c, sp in zip(costs, params))
+        self.admission.reserve(reserved, self.recent_tokens_per_second)
+        waiters = [_Pending(loop, sp.n, cost) for sp, cost in zip(params, costs)]
+
+        def add() -> None:
+            added: list[str] = []
             try:
-                for i, (ids, sp, rid) in enumerate(zip(prompts, params, rids)):
-                    if rid in self.pending:
-                        raise BadRequest(f"rid {rid!r} is already in use")
+                with self._plock:
+                    clash = [r for r in rids if r in self.pending]
+                    if clash:
+                        raise BadRequest(f"rid {clash[0]!r} is already in use")
+                    self.pending.update(zip(rids, waiters))
+                for i, (ids, sp, rid, w) in enumerate(zip(prompts, params, rids, waiters)):
                     try:
-                        seq_ids = self.backend.add_request(rid, ids, sp)
+                        w.expected = len(self.backend.add_request(rid, ids, sp))
                     except ValueError as e:
                         where = f"input_ids[{i}]: " if len(prompts) > 1 else ""
                         raise BadRequest(where + str(e)) from None
                     added.append(rid)
-                    w = _Pending(loop, len(seq_ids))
-                    with self._plock:
-                        self.pending[rid] = w
-                    waiters.append(w)
             except BadRequest:
                 for rid in added:
                     self.backend.abort(rid)
-                    with self._plock:
-                        self.pending.pop(rid, None)
+                with self._plock:
+                    for rid, w in zip(rids, waiters):
+                        if self.pending.get(rid) is w:
+                            del self.pending[rid]
+                self.admission.release(reserved)
                 raise
-        self.requests_total += len(prompts)
-        self.wake.set()
+            self.requests_total += len(prompts)
+
+        try:
+            await self.on_step_thread(add)
+        except asyncio.CancelledError:  # the client left before the step thread took it
+            self.abort_later(rids)
+            raise
         return waiters
 
-    def abort(self, rid: str) -> int:
-        with self.lock:
-            results = self.backend.abort(rid)
+    def abort_later(self, rids: list[str]) -> None:
+        """Abort ``rids`` at the next step, without waiting (a client went away)."""
+        def abort() -> None:
+            for rid in rids:
+                self._abort_now(rid)
+        self._post(abort)
+
+    def _abort_now(self, rid: str) -> int:
+        results = self.backend.abort(rid)
         self.aborted_total += len(results)
         self._deliver(results)
         return len(results)
 
-    def pause(self, mode: str) -> int:
-        with self.lock:
+    async def abort(self, rid: str) -> int:
+        return await self.on_step_thread(lambda: self._abort_now(rid))
+
+    async def pause(self, mode: str) -> int:
+        def pause() -> int:
             self.paused = True
             results = self.backend.pause(mode)
-        self.aborted_total += len(results)
-        self._deliver(results)
-        return len(results)
+            self.aborted_total += len(results)
+            self._deliver(results)
+            return len(results)
+        return await self.on_step_thread(pause)
 
-    def resume(self) -> None:
-        with self.lock:
+    async def resume(self) -> None:
+        def resume() -> None:
             self.paused = False
-        self.wake.set()
+        await self.on_step_thread(resume)
 
-    def metrics_text(self) -> str:
-        with self.lock:
-            st = dict(self.backend.stats())
-            version = self.backend.weight_version
+    async def flush_cache(self) -> None:
+        await self.on_step_thread(self.backend.flush_cache)
+
+    def recent_tokens_per_second(self, window_s: float = 10.0) -> float:
+        """Tokens/s generated over the last ``window_s`` seconds (0 when idle)."""
+        with self._plock:
             window = list(self._window)
         now = time.monotonic()
-        recent = [(t, n) for t, n in window if now - t <= 10.0]
-        tps = 0.0
+        recent = [(t, n) for t, n in window if now - t <= window_s]
         if len(recent) >= 2 and recent[-1][0] > recent[0][0]:
-            tps = (recent[-1][1] - recent[0][1]) / max(now - recent[0][0], 1e-9)
+            return (recent[-1][1] - recent[0][1]) / max(now - recent[0][0], 1e-9)
+        return 0.0
+
+    async def metrics_text(self) -> str:
+        st, version = await self.on_step_thread(lambda: (dict(self.backend.stats()), self.backend.weight_version))
+        tps = self.recent_tokens_per_second()
         lines = []
 
         def metric(name: str, kind: str, help_: str, value: float) -> None:
@@ -297,12 +384,21 @@ class GenServer:
         busy = st.get("busy_seconds", 0.0)
         metric("busy_tokens_per_second", "gauge", "tokens/s while stepping, since start",
                st.get("tokens_generated", 0.0) / busy if busy > 0 else 0.0)
+        metric("queued_tokens", "gauge", "prompt + new tokens admitted and not yet answered",
+               self.admission.queued_tokens)
+        metric("max_queued_tokens", "gauge", "the limit on queued_tokens (429 above)",
+               self.admission.limits.max_queued_tokens)
+        metric("overloaded_total", "counter", "requests answered 429 (queue full)", self.admission.rejected_total)
         metric("weight_version", "gauge", "version of the weights in use", version)
         metric("paused", "gauge", "1 while generation is paused", float(self.paused))
         return "\n".join(lines) + "\n"
 
 
-def _set_result(fut: asyncio.Future, value: Any) -> None:
+def _set_outcome(fut: asyncio.Future, value: Any, exc: Optional[BaseException]) -> None:
     """Runs on the event loop (``call_soon_threadsafe``); the future is done if the client went away."""
-    if not fut.done():
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
         fut.set_result(value)

@@ -54,7 +54,7 @@ def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     backend = generation_backends.get(spec.backend)(cfg)
     resolver = make_name_resolver(setup.name_resolve_config())
     key = names.gen_server_address(setup.experiment_name, setup.trial_name, index)
-    server = GenServer(backend, spec.model_path)
+    server = GenServer(backend, spec.model_path, spec.server_limits)
     host = host_address()
     asyncio.run(serve(build_app(server, http_token(secret), bind_host=host), host, 0,
                       on_ready=lambda url: resolver.add(key, url, replace=True)))

@@ -31,6 +31,14 @@ logger = logging.getLogger("realflow.rollout.servers")
 MAX_RESUBMITS = 1000  # a request interrupted more often than this is failing, not being updated
 
 
+def _retry_after(resp: aiohttp.ClientResponse) -> Optional[float]:
+    """Seconds of a 429's ``Retry-After`` header (None: absent or not a number of seconds)."""
+    try:
+        return max(0.0, float(resp.headers.get("Retry-After", "")))
+    except ValueError:
+        return None
+
+
 class NoServerError(RuntimeError):
     """No generation server is alive; the message names each and why it was lost."""
 
@@ -76,6 +84,7 @@ class ServerPool:
         self.session: Optional[aiohttp.ClientSession] = None
         self.tokens_generated = 0
         self.requests_failed_over = 0
+        self.overloaded_retries = 0  # 429 answers waited out (Retry-After)
         self.rejoin_wait_s = 0.0  # how long a request waits for a replacement when no server is up
 
     async def start(self) -> None:
@@ -139,19 +148,29 @@ class ServerPool:
 
     async def call(self, server: ServerState, endpoint: str, body: Optional[dict] = None,
                    timeout: Optional[float] = None, method: str = "POST") -> Any:
-        """One JSON call; connection errors mark the server lost and re-raise."""
+        """One JSON call; connection errors mark the server lost and re-raise.
+
+        A full server (429) is asked again after its ``Retry-After`` until ``timeout`` has passed."""
         assert self.session is not None, "ServerPool.start() first"
-        t = aiohttp.ClientTimeout(total=timeout or self.call_timeout)
-        try:
-            async with self.session.request(method, server.url + endpoint, json=body, timeout=t) as resp:
-                data = await resp.json(content_type=None)
-                if resp.status >= 400:
-                    raise RuntimeError(f"{server.name} {endpoint} -> {resp.status}: "
-                                       f"{data.get('error') if isinstance(data, dict) else data}")
-                return data
-        except (aiohttp.ClientConnectionError, ConnectionError) as e:
-            self.mark_lost(server, f"{type(e).__name__}: {e}")
-            raise
+        total = timeout or self.call_timeout
+        deadline = time.monotonic() + total
+        while True:
+            t = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()))
+            try:
+                async with self.session.request(method, server.url + endpoint, json=body, timeout=t) as resp:
+                    data = await resp.json(content_type=None)
+                    retry_after = _retry_after(resp) if resp.status == 429 else None
+                    if retry_after is not None and time.monotonic() + retry_after < deadline:
+                        self.overloaded_retries += 1
+                    elif resp.status >= 400:
+                        raise RuntimeError(f"{server.name} {endpoint} -> {resp.status}: "
+                                           f"{data.get('error') if isinstance(data, dict) else data}")
+                    else:
+                        return data
+            except (aiohttp.ClientConnectionError, ConnectionError) as e:
+                self.mark_lost(server, f"{type(e).__name__}: {e}")
+                raise
+            await asyncio.sleep(retry_after)
 
     async def call_text(self, server: ServerState, endpoint: str) -> str:
         assert self.session is not None, "ServerPool.start() first"

@@ -120,9 +120,11 @@ class _AsyncBase(_RLBase):
                         "behav_imp_weight_cap": self.behav_imp_weight_cap,
                         "eval_max_new_tokens": h.max_new_tokens})
         mfcs = graph_registry.get("async_ppo")(gcfg)
-        models = {ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer)}
+        planned = self.planned_actor_config()
+        models = {ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
+                                   expected_config=planned)}
         if gcfg.use_ref:
-            models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok)
+            models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok, expected_config=planned)
         data_args: dict[str, Any] = {"max_prompt_len": self.dataset.max_prompt_len}
         agent_args = dict(r.agent_args)
         if r.agent == "math":

@@ -38,6 +38,14 @@ class TinyArchConfig:
                              f"num_key_value_heads={self.num_key_value_heads} (query groups share a KV head)")
 
 
+def planned_hf_config(arch: TinyArchConfig) -> dict:
+    """The structural HF config :func:`ensure_random_checkpoint` will write (for layout checks
+    before it runs).  The vocabulary is the tokenizer's, unknown until it is built: a small
+    stand-in (megatron pads the vocabulary to a multiple of 128 x tp, so tp always divides it)."""
+    return {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 128,
+            "vocab_size_unknown": True, **asdict(arch)}
+
+
 def ensure_random_checkpoint(out_dir: str, tokenizer_dir: str, arch: TinyArchConfig, seed: int) -> str:
     """Write a seeded random Qwen2 model (and the tokenizer) to ``out_dir`` unless present."""
     import torch

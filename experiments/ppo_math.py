@@ -117,8 +117,23 @@ class _RLBase(BaseExperimentConfig):
         if res.returncode != 0 or not os.path.isfile(os.path.join(actor, "config.json")):
             raise RuntimeError(f"the SFT run producing {actor} failed (exit {res.returncode}); see its output above")
 
+    def planned_actor_config(self) -> Optional[dict]:
+        """The HF config of the SFT start ``prepare()`` will train when the actor checkpoint is
+        absent (its arch comes from the task's SFT overrides), so that layouts are checked
+        before minutes of SFT; None when the checkpoint is given or already there."""
+        actor = self._paths()[0]
+        if self.model.path or os.path.isfile(os.path.join(actor, "config.json")):
+            return None
+        from experiments.init_model import planned_hf_config
+        from realflow.api.config import parse_overrides
+        from realflow.api.experiment import experiment_registry
+
+        sft = parse_overrides(experiment_registry.get("sft"), list(get_task(self.dataset.task).sft_args))
+        return planned_hf_config(sft.model.arch)
+
     def setup(self) -> ExperimentSetup:
         actor, tok, train, test = self._paths()
+        planned = self.planned_actor_config()
         h = self.ppo
         adv = {"estimator": h.estimator, "gamma": h.gamma, "lam": h.lam, "kl_coef": h.kl_coef,
                "kl_ctl": h.kl_ctl, "kl_target": h.kl_target,
@@ -139,14 +154,16 @@ class _RLBase(BaseExperimentConfig):
         )
         mfcs = graph_registry.get(self._graph)(gcfg)
         models = {
-            ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer),
+            ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
+                             expected_config=planned),
             REWARD: ModelSpec(role=REWARD, path=tok, tokenizer_path=tok, backend="none"),
         }
         if gcfg.use_ref:
-            models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok)
+            models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok, expected_config=planned)
         if use_critic:
             models[CRITIC] = ModelSpec(role=CRITIC, path=self.model.critic_path or actor, tokenizer_path=tok,
-                                       optimizer=self.critic_optimizer, backend_args={"critic": True})
+                                       optimizer=self.critic_optimizer, backend_args={"critic": True},
+                                       expected_config=None if self.model.critic_path else planned)
         data_args: dict[str, Any] = {"max_prompt_len": self.dataset.max_prompt_len}
         return ExperimentSetup(
             experiment_name=self.experiment_name or self._name, trial_name=self.trial_name, mfcs=mfcs,

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from experiments.init_model import TinyArchConfig, ensure_random_checkpoint
+from experiments.init_model import TinyArchConfig, ensure_random_checkpoint, planned_hf_config
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
 from realflow.api.experiment import (
@@ -122,7 +122,8 @@ class SFTConfig(BaseExperimentConfig):
             experiment_name=self.experiment_name or "sft",
             trial_name=self.trial_name,
             mfcs=mfcs,
-            models={"default": ModelSpec(role="default", path=model, tokenizer_path=tok, optimizer=self.optimizer)},
+            models={"default": ModelSpec(role="default", path=model, tokenizer_path=tok, optimizer=self.optimizer,
+                                         expected_config=None if self.model.path else planned_hf_config(self.model.arch))},
             dataset=DatasetSpec(format="sft", path=train, args=data_args),
             n_workers=self.n_workers,
             allocation=self.allocation or f"d{self.n_workers}",

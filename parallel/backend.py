@@ -123,9 +123,13 @@ class MegatronBackend:
         check is deterministic on every process.
         """
         cfg = _read_hf_config(spec.path)
+        planned = cfg is None and spec.expected_config is not None
+        if planned:
+            cfg = dict(spec.expected_config)
         if cfg is None:
             return f"model {spec.role!r}: no config.json in {spec.path!r} yet; layout {strategy} not checked"
-        what = f"model {spec.role!r} ({_model_desc(cfg)}) in layout {strategy}"
+        made = ", as prepare() will create it" if planned else ""
+        what = f"model {spec.role!r} ({_model_desc(cfg)}{made}) in layout {strategy}"
         try:
             arch = hf_arch(cfg, tp_size=strategy.tp)
         except NotImplementedError as e:
@@ -191,7 +195,7 @@ def _read_hf_config(path: str) -> Optional[dict[str, Any]]:
 def _model_desc(cfg: dict[str, Any]) -> str:
     return (f"{cfg.get('model_type')}, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
             f"{cfg['num_attention_heads']} heads / {cfg.get('num_key_value_heads') or cfg['num_attention_heads']} "
-            f"KV heads, vocab {cfg['vocab_size']}")
+            f"KV heads, vocab {'of the tokenizer' if cfg.get('vocab_size_unknown') else cfg['vocab_size']}")
 
 
 def _low_precision(overrides: dict[str, Any]) -> bool:

@@ -65,6 +65,9 @@ class ModelSpec:
     backend: str = "megatron"
     total_train_steps: int = 0  # set by the runtime once the data is counted
     backend_args: dict[str, Any] = field(default_factory=dict)
+    #: the HF config (as a dict) the checkpoint at ``path`` will have once ``prepare()`` made it,
+    #: so that layouts are checked before a slow preparation (e.g. training the SFT start)
+    expected_config: Optional[dict[str, Any]] = None
 
 
 @dataclass

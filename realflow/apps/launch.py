@@ -1,11 +1,13 @@
 """Shared command line of every ``realflow.apps.main_*`` entry point.
 
-    python -m realflow.apps.main_sft [key=value ...] [--import MOD] [--dry-run] [--help]
+    python -m realflow.apps.main_sft [key=value ...] [--import MOD] [--dry-run | --check] [--help]
 
 Parses and checks the config (bad keys and graphs fail here, in one line), prepares
-the experiment once (data, tokenizer, initial weights), then starts the master and
-the model workers as separate processes through the local scheduler and renders the
-master's progress records on the console.
+the experiment once (data, tokenizer, initial weights), checks data rows and
+checkpoints against the plan (:mod:`realflow.system.preflight`), then starts the
+master and the model workers as separate processes through the local scheduler and
+renders the master's progress records on the console.  ``--dry-run`` stops after the
+plan (drawn, nothing prepared); ``--check`` after every check, before any worker.
 """
 from __future__ import annotations
 
@@ -26,23 +28,28 @@ from realflow.system.preflight import PreflightError, preflight
 from realflow.system.progress import ProgressFollower
 
 BUILTIN_MODULES = ["experiments"]
-USAGE = "usage: python -m realflow.apps.{app} [key=value ...] [--import MODULE] [--dry-run] [--console] [--help]"
+USAGE = ("usage: python -m realflow.apps.{app} [key=value ...] [--import MODULE] [--dry-run | --check] [--console] "
+         "[--help]")
 
 
 class UsageError(Exception):
     pass
 
 
-def _split_args(argv: list[str]) -> tuple[list[str], list[str], bool, bool, Optional[str]]:
+def _split_args(argv: list[str]) -> tuple[list[str], list[str], Optional[str], bool, Optional[str]]:
+    """(imports, overrides, mode: None | "dry-run" | "check", show_help, experiment)."""
     imports, overrides = [], []
-    dry_run = show_help = False
+    mode: Optional[str] = None
+    show_help = False
     experiment = None
     it = iter(argv)
     for a in it:
         if a in ("-h", "--help"):
             show_help = True
-        elif a == "--dry-run":
-            dry_run = True
+        elif a in ("--dry-run", "--check"):
+            if mode not in (None, a[2:]):
+                raise UsageError("--dry-run and --check exclude each other")
+            mode = a[2:]
         elif a == "--import":
             mod = next(it, None)
             if mod is None:
@@ -56,7 +63,7 @@ def _split_args(argv: list[str]) -> tuple[list[str], list[str], bool, bool, Opti
             raise UsageError(f"unknown option '{a}'")
         else:
             overrides.append(a)
-    return imports, overrides, dry_run, show_help, experiment
+    return imports, overrides, mode, show_help, experiment
 
 
 def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str = "main") -> int:
@@ -64,7 +71,7 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
     try:
         console = "--console" in argv
         argv = [a for a in argv if a != "--console"]
-        imports, overrides, dry_run, show_help, exp_arg = _split_args(argv)
+        imports, overrides, mode, show_help, exp_arg = _split_args(argv)
         experiment = exp_arg or experiment
         import_modules(BUILTIN_MODULES + imports)
         if experiment is None:
@@ -80,7 +87,7 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {msg}", file=sys.stderr)
         return 2
-    if dry_run:
+    if mode == "dry-run":
         print(plan.describe())
         os.makedirs(setup.run_dir, exist_ok=True)
         png = os.path.join(setup.run_dir, "plan.png")
@@ -106,6 +113,10 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
         which = f" (fileroot={fileroot})" if str(e.filename or "").startswith(fileroot) else ""
         print(f"error: cannot prepare the run{which}: {e.strerror or e}{where}", file=sys.stderr)
         return 2
+    if mode == "check":
+        print(f"ok: {experiment}: config, data, checkpoints and the placement of {setup.n_workers} worker(s) "
+              f"checked; nothing started")
+        return 0
     return launch(experiment, imports, overrides, setup, merged_console=console)
 
 

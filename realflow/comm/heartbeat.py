@@ -26,6 +26,7 @@ import zmq
 from realflow.base.network import host_address
 from realflow.comm import codec
 from realflow.comm.auth import AuthError, Signer, Verifier, check_secret
+from realflow.comm.drop_log import DropLog
 
 __all__ = ["Heartbeater", "HeartbeatMonitor", "DEFAULT_INTERVAL", "DEFAULT_TIMEOUT"]
 
@@ -131,7 +132,7 @@ class HeartbeatMonitor:
         self._status: dict[str, Any] = {}
         self._expected_since: dict[str, float] = {}
         self._left: set[str] = set()
-        self.dropped = 0
+        self._drop = DropLog("heartbeat monitor", "beat")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat-monitor", daemon=True)
         self._thread.start()
@@ -148,6 +149,11 @@ class HeartbeatMonitor:
         with self._lock:
             for d in (self._last_mono, self._last_wall, self._status, self._expected_since):
                 d.pop(name, None)
+
+    @property
+    def dropped(self) -> int:
+        """Beats dropped (unsigned, forged, garbled); logged rate-limited per claimed sender."""
+        return self._drop.count
 
     def lost_workers(self) -> list[str]:
         """Expected or seen workers without a valid beat for more than ``timeout`` seconds."""
@@ -203,10 +209,7 @@ class HeartbeatMonitor:
             body = codec.decode(payload)
             kind = body["k"]
         except (AuthError, codec.CodecError, TypeError, KeyError) as e:
-            self.dropped += 1
-            claimed = getattr(e, "claimed_sender", None)
-            if self.dropped <= 10 or self.dropped % 1000 == 0:
-                logger.warning("heartbeat monitor dropped a beat claiming to be from %r: %s", claimed, e)
+            self._drop(getattr(e, "claimed_sender", None), str(e))
             return
         with self._lock:
             if kind == "bye":

@@ -40,6 +40,7 @@ from aiohttp import web
 
 from realflow.api.rollout import RolloutSpec
 from realflow.comm import shm
+from realflow.comm.drop_log import DropLog
 from realflow.rollout.prompt_ledger import PromptLedger
 from realflow.rollout.server_pool import NoServerError, ServerPool, ServerState
 from realflow.rollout.weight_groups import WeightGroups
@@ -350,6 +351,7 @@ def _remove_older_checkpoints(path: str) -> None:
 
 def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.Application:
     expected = None if api_key is None else f"Bearer {api_key}"
+    unauthorized = DropLog("rollout controller", "request")
 
     @web.middleware
     async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -357,6 +359,7 @@ def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.
 
         if expected is not None and not hmac.compare_digest(
                 request.headers.get("Authorization", "").encode(), expected.encode()):
+            unauthorized(request.remote, f"{request.method} {request.path} without the run's API key")
             return web.json_response({"error": "missing or wrong API key"}, status=401)
         try:
             return await handler(request)

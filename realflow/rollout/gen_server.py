@@ -175,6 +175,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
         if expected is not None and not hmac.compare_digest(
                 request.headers.get("Authorization", "").encode(), expected.encode()):
             server.bad_requests_total += 1
+            server.unauthorized(request.remote, f"{request.method} {request.path} without the run's API key")
             return web.json_response({"error": "missing or wrong API key", "success": False}, status=401)
         try:
             return await handler(request)

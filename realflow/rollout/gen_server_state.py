@@ -26,6 +26,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Iterator, Optional
 
+from realflow.comm.drop_log import DropLog
 from realflow.api.generation import GenerationResult, GenServerLimits, SamplingParams
 from realflow.rollout.gen_server_admission import Admission, Overloaded
 
@@ -158,6 +159,7 @@ class GenServer:
         self._ops: list[tuple[Callable[[], Any], Optional[asyncio.AbstractEventLoop], Optional[asyncio.Future]]] = []
         self.requests_total = 0
         self.bad_requests_total = 0
+        self.unauthorized = DropLog("gen server", "request")  # 401s, logged rate-limited per peer
         self.aborted_total = 0
         self._window: deque[tuple[float, float]] = deque(maxlen=4096)  # (time, tokens)
         self.thread = threading.Thread(target=self._loop, name="gen-step", daemon=True)
@@ -376,6 +378,8 @@ class GenServer:
                st.get("tokens_generated", 0.0))
         metric("requests_total", "counter", "prompts accepted", self.requests_total)
         metric("bad_requests_total", "counter", "requests answered with 4xx", self.bad_requests_total)
+        metric("unauthorized_total", "counter", "requests answered 401 (no or wrong API key)",
+               self.unauthorized.count)
         metric("aborted_total", "counter", "sequences ended by abort/pause", self.aborted_total)
         metric("running_requests", "gauge", "sequences in the running batch",
                st.get("running_requests", 0.0))

@@ -22,6 +22,7 @@ from realflow.api.rollout import VERSION_ADMIT, VERSION_NEWEST, VERSION_OLDEST
 from realflow.base.logging import get_logger
 from realflow.base.network import host_address
 from realflow.comm.auth import AuthError, Verifier
+from realflow.comm.drop_log import DropLog
 from realflow.comm.codec import CodecError, decode
 
 __all__ = ["TrajectoryInbox"]
@@ -43,10 +44,15 @@ class TrajectoryInbox:
         self._buffer: dict[str, tuple[int, SequenceBatch]] = {}  # id -> (arrival seq, batch)
         self._seq = itertools.count()
         self.received = 0
-        self.dropped = 0
+        self._drop = DropLog(f"{name} trajectory inbox", "trajectory message")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trajectory-inbox", daemon=True)
         self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        """Messages dropped (unsigned, forged, not one rollout, a duplicate id); logged rate-limited."""
+        return self._drop.count
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -61,15 +67,15 @@ class TrajectoryInbox:
                 if len(batch) != 1 or VERSION_ADMIT not in batch.metadata:
                     raise ValueError(f"expected one rollout with its versions, got {len(batch)} samples "
                                      f"and metadata {sorted(batch.metadata)}")
-            except (AuthError, CodecError, ValueError, KeyError, TypeError) as e:
-                self.dropped += 1
-                logger.warning("%s: dropped a trajectory message: %s", self.name, e)
+            except AuthError as e:
+                self._drop(e.claimed_sender, e.reason)
+                continue
+            except (CodecError, ValueError, KeyError, TypeError) as e:
+                self._drop(env.sender, f"undecodable or not one rollout: {e}")
                 continue
             with self._lock:
                 if batch.ids[0] in self._buffer:
-                    self.dropped += 1
-                    logger.warning("%s: dropped a second trajectory with id %s from %s", self.name,
-                                   batch.ids[0], env.sender)
+                    self._drop(env.sender, f"a second trajectory with id {batch.ids[0]}")
                     continue
                 self._buffer[batch.ids[0]] = (next(self._seq), batch)
                 self.received += 1

@@ -10,6 +10,8 @@ from typing import Any, Callable, Self
 
 import zmq
 
+from realflow.comm.drop_log import DropLog  # noqa: F401  (re-exported: master and worker use it)
+
 from realflow.comm import codec
 
 logger = logging.getLogger(__name__)
@@ -152,25 +154,6 @@ def make_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.setsockopt(zmq.RCVTIMEO, int(RECV_SLICE_S * 1000))  # bounds a blocking receive (see receive())
     return sock
-
-
-class DropLog:
-    """Counts dropped messages and logs them without letting a flood spam the log."""
-
-    def __init__(self, who: str) -> None:
-        self.who = who
-        self.count = 0
-        self._per_sender: dict[str, int] = {}
-
-    def __call__(self, claimed: str | None, reason: str) -> None:
-        self.count += 1
-        key = claimed or "?"
-        n = self._per_sender.get(key, 0) + 1
-        if len(self._per_sender) < 10_000:
-            self._per_sender[key] = n
-        if n <= 10 or n % 1000 == 0:
-            logger.warning("%s dropped a message claiming to be from %r: %s (%d dropped from it so far)",
-                           self.who, claimed, reason, n)
 
 
 def error_text(exc: BaseException | str) -> str:

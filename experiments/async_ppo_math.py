@@ -32,6 +32,7 @@ from realflow.api.dfg import graph_registry
 from realflow.api.experiment import (DatasetSpec, ExperimentSetup, ModelSpec, OptimizerConfig,
                                      register_experiment)
 from realflow.api.generation import GenServerLimits
+from realflow.api.reward import REWARD_FUNCTIONS
 from realflow.api.rollout import RolloutError, RolloutSpec
 
 
@@ -106,6 +107,7 @@ class _AsyncBase(_RLBase):
         gen, train_alloc = self._split_allocation()
         self._check_gen_fits(gen.tp, actor)
         agent_registry.get(r.agent)  # an unknown agent fails here, naming the close ones
+        REWARD_FUNCTIONS.get(self.reward)
         train_workers = self.n_train_workers(train_alloc)
         adv = {"estimator": h.estimator, "gamma": h.gamma, "lam": h.lam, "kl_coef": h.kl_coef,
                "kl_ctl": h.kl_ctl, "kl_target": h.kl_target, "adv_norm": h.adv_norm,
@@ -192,6 +194,7 @@ class AsyncGRPOMathConfig(_AsyncBase):
     _name = "async-grpo-math"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.rollout.max_head_offpolicyness < 0:
-            raise ValueError(f"rollout.max_head_offpolicyness={self.rollout.max_head_offpolicyness}: "
+            raise ValueError(f"rollout.max_head_offpolicyness={self.rollout.max_head_offpolicyness} "
                              "must be >= 0 (0 = on-policy)")

@@ -49,6 +49,9 @@ class RLDataConfig:
 
     def __post_init__(self) -> None:
         get_task(self.task)  # an unknown task fails here, naming the closest ones
+        for name in ("n_train", "n_test", "max_prompt_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"dataset.{name}={getattr(self, name)} must be >= 1")
 
 
 @dataclass
@@ -71,6 +74,40 @@ class PPOHyperConfig:
     adv_norm: str = field(default="batch", metadata={"help": "none | batch | group"})
     mask_truncated: bool = field(default=False, metadata={"help": "no loss on responses cut by max_new_tokens"})
     value_eps_clip: float = field(default=0.2, metadata={"help": "critic value clip"})
+
+    def __post_init__(self) -> None:
+        """Every value is checked where it is set (a bad one fails before anything runs)."""
+        from mfc.rl_batch import ESTIMATORS
+
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"PPOHyperConfig.{name}={getattr(self, name)!r} {why}")
+
+        for name in ("n_samples", "max_new_tokens", "ppo_epochs", "n_minibatches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(name, "must be an integer >= 1")
+        if self.estimator not in ESTIMATORS:
+            raise bad("estimator", f"is not an advantage estimator; choose one of {', '.join(ESTIMATORS)}")
+        if self.estimator in ("grpo", "rloo") and self.n_samples < 2:
+            raise bad("n_samples", f"must be >= 2 for estimator={self.estimator} (it compares the responses "
+                                   f"to one prompt)")
+        for name in ("eps_clip", "value_eps_clip", "kl_target"):
+            if not getattr(self, name) > 0:
+                raise bad(name, "must be > 0")
+        for name in ("temperature", "kl_coef"):
+            if not getattr(self, name) >= 0:
+                raise bad(name, "must be >= 0")
+        for name in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise bad(name, "must be in [0, 1]")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise bad("dual_clip", "must be > 1 (or none: off)")
+        if self.ref_ema_eta is not None and not 0.0 < self.ref_ema_eta <= 1.0:
+            raise bad("ref_ema_eta", "must be in (0, 1] (or none: the reference stays fixed)")
+        if self.kl_ctl not in ("fixed", "adaptive"):
+            raise bad("kl_ctl", "must be fixed or adaptive")
+        if self.adv_norm not in ("none", "batch", "group"):
+            raise bad("adv_norm", "must be none, batch or group")
 
 
 class _RLBase(BaseExperimentConfig):
@@ -132,6 +169,9 @@ class _RLBase(BaseExperimentConfig):
         return planned_hf_config(sft.model.arch)
 
     def setup(self) -> ExperimentSetup:
+        from realflow.api.reward import REWARD_FUNCTIONS
+
+        REWARD_FUNCTIONS.get(self.reward)  # an unknown reward fails here, naming the close ones
         actor, tok, train, test = self._paths()
         planned = self.planned_actor_config()
         h = self.ppo

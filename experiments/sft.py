@@ -51,6 +51,12 @@ class SFTDataConfig:
         from experiments.tasks.registry import get_task
 
         get_task(self.task)  # an unknown task fails here, naming the closest ones
+        for name in ("n_train", "n_test", "max_prompt_len", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"dataset.{name}={getattr(self, name)} must be >= 1")
+        if self.max_prompt_len >= self.max_seq_len:
+            raise ValueError(f"dataset.max_prompt_len={self.max_prompt_len} must be < dataset.max_seq_len="
+                             f"{self.max_seq_len} (room for the solution)")
 
 
 @register_experiment("sft")

@@ -183,6 +183,8 @@ def _read_hf_config(path: str) -> Optional[dict[str, Any]]:
     try:
         with open(file) as f:
             cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise LayoutError(f"{file}:{e.lineno}: invalid JSON ({e.msg})") from None
     except (OSError, ValueError) as e:
         raise LayoutError(f"cannot read HF config {file}: {e}") from None
     missing = [k for k in ("num_attention_heads", "num_hidden_layers", "hidden_size", "intermediate_size",

@@ -147,7 +147,7 @@ def test_enums_literals_dicts_any():
     ("seed", "expected key=value, got 'seed'"),
     ("--verbose", "expected key=value, got '--verbose' (options: --help, --import MODULE)"),
     ("actor..path=x", "malformed config key 'actor..path'"),
-    ("batch_size=0", "invalid config Experiment: batch_size must be >= 1, got 0"),
+    ("batch_size=0", "invalid config: batch_size must be >= 1, got 0"),
 ])
 def test_bad_values_name_key_type_and_value(arg, needle):
     with pytest.raises(ConfigError) as e:
@@ -281,5 +281,5 @@ def test_optimizer_values_checked_when_parsed(arg, needle):
     naming the field, not later inside a worker building the optimizer."""
     with pytest.raises(ConfigError) as ei:
         parse_overrides(_WithOptimizer, [arg])
-    assert "invalid config optimizer" in str(ei.value) and needle in str(ei.value)
+    assert "invalid config: optimizer." + needle in str(ei.value)
     assert parse_overrides(_WithOptimizer, ["optimizer.lr_scheduler_type=linear"]).optimizer.lr_scheduler_type == "linear"

@@ -17,6 +17,7 @@ from realflow.api.allocation import AllocationError, ParallelStrategy
 from realflow.api.experiment import (
     BaseExperimentConfig, DatasetSpec, ExperimentSetup, ModelSpec, OptimizerConfig, register_experiment,
 )
+from realflow.api.interface import ModelInterface, register_interface
 from realflow.api.mfc import MFCDef, OffloadHook, ParamReallocHook
 from realflow.system.plan import (
     DataTransfer, Layout, Offload, ParamRealloc, PlanError, ReallocPair, Reload, compile_plan,
@@ -265,6 +266,11 @@ def test_allocation_errors_pass_through_the_compiler(tmp_path):
 
 
 # ---- --dry-run ----------------------------------------------------------
+
+
+@register_interface("x")
+class _PlanOnlyInterface(ModelInterface):
+    """The interface the plan tests' MFCs name: registered, as the launcher checks (never run here)."""
 
 
 @register_experiment("test_plan_split")

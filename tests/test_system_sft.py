@@ -108,20 +108,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize(
     "overrides, expected",
-    [
+    [  # the whole set is tests/bad_inputs (in-process, --check); these few prove the real command line
         (["optimzer.lr=1"], "unknown config key 'optimzer.lr'; did you mean optimizer.lr"),
-        (["batch_size=many"], "bad value for batch_size: expected int, got 'many'"),
-        (["allocation=d3"], "d3"),
-        # values that would run nothing, or nonsense, are refused instead of silently accepted
         (["total_train_epochs=0"], "total_train_epochs=0 must be an integer >= 1"),
-        (["max_train_steps=-1"], "max_train_steps=-1 must be >= 1"),
-        (["save_freq_steps=-5"], "save_freq_steps=-5 must be >= 0"),
-        (["eval_max_new_tokens=-1"], "eval_max_new_tokens=-1 must be >= 0"),
-        (["worker_threads=0"], "worker_threads=0 must be >= 1"),
-        (["recover_mode=sometimes"], "recover_mode='sometimes': expected one of auto, resume, off"),
-        (["launcher=slurn"], "did you mean slurm"),
-        (["heartbeat_timeout_s=0.5"], "heartbeat_timeout_s=0.5 must be > 1"),
-        (["model.arch.num_attention_heads=3"], "hidden_size=64 must be a multiple of num_attention_heads=3"),
         # checked against the checkpoint that preparing the run creates, before any worker starts
         (["allocation=d1t3", "n_workers=3"], "tp=3 does not divide num_attention_heads=4"),
     ],
@@ -143,29 +132,3 @@ def test_bad_data_row_is_reported_with_file_and_line(tmp_path):
     assert res.returncode == 2
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and f"{data}:2:" in err[0], res.stderr
-
-
-def test_non_utf8_data_and_unusable_fileroot_are_one_line_errors(tmp_path):
-    data = tmp_path / "latin1.jsonl"
-    data.write_bytes(b'{"prompt": "1+1=", "solution": "#### 2", "answer": "2"}\n'
-                     b'{"prompt": "caf\xe9", "solution": "#### 1", "answer": "1"}\n')
-    res = run_sft(tmp_path, f"dataset.train_path={data}", f"dataset.test_path={data}", timeout=120)
-    err = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(err) == 1, res.stderr
-    assert f"{data}:2: not UTF-8 text: byte 0xe9" in err[0], err
-    res = run_sft("/proc/realflow-no-such-dir", timeout=120)  # not creatable, even for root
-    err = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(err) == 1 and "fileroot=/proc/realflow-no-such-dir" in err[0], res.stderr
-
-
-def test_unreadable_checkpoint_is_one_line_error(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    from parallel.testing import make_tiny_hf
-
-    make_tiny_hf(str(ckpt))  # a valid config, then a corrupt weights file
-    (ckpt / "model.safetensors").write_bytes(b"not a safetensors file")
-    res = run_sft(tmp_path, f"model.path={ckpt}", f"model.tokenizer_path={ckpt}", timeout=120)
-    assert res.returncode == 2
-    err = res.stderr.strip().splitlines()
-    assert len(err) == 1 and "model.safetensors" in err[0], res.stderr

@@ -289,8 +289,17 @@ def _field_default(f: dataclasses.Field) -> Any:
     return _UNSET
 
 
+def _invalid(cls: type, path: str, msg: str) -> str:
+    """A config class's own error as the user wrote the key: ``OptimizerConfig.lr=...`` set at
+    ``optimizer.`` reads ``optimizer.lr=...``; a message that already names the path stays."""
+    if msg.startswith(cls.__name__ + "."):
+        msg = path + msg[len(cls.__name__) + 1:]
+    if not path or msg.startswith(path):
+        return f"invalid config: {msg}"
+    return f"invalid config {path.rstrip('.')}: {msg}"
+
+
 def _construct(cls: type[T], kwargs: dict[str, Any], path: str, base: Any = _UNSET) -> T:
-    where = path.rstrip(".") or cls.__name__
     try:
         if base is not _UNSET and isinstance(base, cls):
             return dataclasses.replace(base, **kwargs)
@@ -301,7 +310,7 @@ def _construct(cls: type[T], kwargs: dict[str, Any], path: str, base: Any = _UNS
     except (ValueError, TypeError) as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"invalid config {where}: {e}") from None
+        raise ConfigError(_invalid(cls, path, str(e))) from None
 
 
 def _materialize(cls: type[T], node: _Node, default: Any, path: str) -> T:

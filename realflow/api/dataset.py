@@ -234,6 +234,8 @@ def read_jsonl(path: str | os.PathLike, bad: list | None = None) -> Iterator[tup
                     raise DataRowError(path, lineno, f"row must be a JSON object, got {type(obj).__name__}")
             except json.JSONDecodeError as e:
                 err = DataRowError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})")
+            except RecursionError:
+                err = DataRowError(path, lineno, "invalid row: JSON nested too deeply")
             except DataRowError as e:
                 err = e
             else:

@@ -9,6 +9,7 @@ config object of another. The setup must therefore be a pure function of the con
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -46,8 +47,12 @@ class OptimizerConfig:
                              f"{self.warmup_steps_proportion}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"OptimizerConfig.min_lr_ratio={self.min_lr_ratio} not in [0, 1]")
-        if self.lr < 0:
-            raise ValueError(f"OptimizerConfig.lr={self.lr} < 0")
+        if not self.lr >= 0:
+            raise ValueError(f"OptimizerConfig.lr={self.lr} must be >= 0")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"OptimizerConfig.weight_decay={self.weight_decay} must be >= 0")
+        if not self.gradient_clipping >= 0:
+            raise ValueError(f"OptimizerConfig.gradient_clipping={self.gradient_clipping} must be >= 0 (0 = off)")
 
 
 @dataclass
@@ -197,6 +202,15 @@ class BaseExperimentConfig:
 
     def __post_init__(self) -> None:
         self.runtime_fields()  # a bad launcher / recover / heartbeat value fails where it is set
+        for name in ("experiment_name", "trial_name"):
+            value = getattr(self, name)
+            if value and not _PATH_SAFE_NAME.fullmatch(value):
+                raise ValueError(f"{name}={value!r}: use letters, digits, '_', '-' and '.' (not first); it names "
+                                 f"directories and name-resolution keys")
+        for name in ("batch_size", "max_tokens_per_mb"):  # the sizes every built-in experiment has
+            value = getattr(self, name, 1)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
 
     def runtime_fields(self) -> dict[str, Any]:
         """The :class:`ExperimentSetup` fields every experiment takes from these common settings."""
@@ -224,6 +238,8 @@ class BaseExperimentConfig:
     def setup(self) -> ExperimentSetup:
         raise NotImplementedError(f"{type(self).__name__} must implement setup()")
 
+
+_PATH_SAFE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
 
 experiment_registry: Registry = Registry("experiment")
 

@@ -83,6 +83,7 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
         cfg = parse_overrides(cls, overrides)
         setup = cfg.setup()
         plan = compile_plan(setup)
+        plan.graph.check_references(roles=setup.models)  # interfaces registered (plugins are imported by now)
     except (UsageError, ConfigError, KeyError, ValueError, ImportError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {msg}", file=sys.stderr)

@@ -28,6 +28,7 @@ is logged and reported.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import shutil
@@ -349,6 +350,35 @@ def _remove_older_checkpoints(path: str) -> None:
 # ---------------------------------------------------------------- HTTP API
 
 
+class BodyError(ValueError):
+    """A request body field is missing or has the wrong type: 400 naming it."""
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    body = await request.json()
+    if not isinstance(body, dict):
+        raise BodyError(f"body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+_MISSING = object()
+
+
+def _field(body: dict[str, Any], name: str, kind: type, default: Any = _MISSING) -> Any:
+    """``body[name]`` checked to be a ``kind`` (ints are floats too; bools are not ints)."""
+    if name not in body or body[name] is None:
+        if default is _MISSING:
+            raise BodyError(f"field {name!r} ({kind.__name__}) is required")
+        return default
+    v = body[name]
+    ok = isinstance(v, kind) and not (kind is int and isinstance(v, bool))
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v, ok = float(v), True
+    if not ok:
+        raise BodyError(f"field {name!r} must be {kind.__name__}, got {v!r:.60}")
+    return v
+
+
 def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.Application:
     expected = None if api_key is None else f"Bearer {api_key}"
     unauthorized = DropLog("rollout controller", "request")
@@ -363,32 +393,43 @@ def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.
             return web.json_response({"error": "missing or wrong API key"}, status=401)
         try:
             return await handler(request)
-        except (ValueError, KeyError, TypeError) as e:
-            return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=400)
+        except json.JSONDecodeError as e:
+            return web.json_response({"error": f"body is not valid JSON: {e}"}, status=400)
+        except BodyError as e:
+            return web.json_response({"error": str(e)}, status=400)
         except RecursionError:
             return web.json_response({"error": "body is nested too deeply"}, status=400)
         except NoServerError as e:
             return web.json_response({"error": str(e)}, status=503)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return web.json_response({"error": f"{e.reason}: {request.method} {request.path}"}, status=e.status)
 
     async def admit(request: web.Request) -> web.Response:
-        body = await request.json()
-        return web.json_response(await ctl.admit(float(body.get("wait_s", ADMIT_WAIT_S))))
+        body = await _body(request)
+        return web.json_response(await ctl.admit(_field(body, "wait_s", float, ADMIT_WAIT_S)))
 
     async def done(request: web.Request) -> web.Response:
-        body = await request.json()
-        index = body.get("index")
-        await ctl.done(int(body["version"]), bool(body["ok"]), str(body.get("error", "")),
-                       None if index is None else int(index), str(body.get("id", "")))
+        body = await _body(request)
+        await ctl.done(_field(body, "version", int), _field(body, "ok", bool), _field(body, "error", str, ""),
+                       _field(body, "index", int, None), _field(body, "id", str, ""))
         return web.json_response({"success": True})
 
     async def generate(request: web.Request) -> web.Response:
-        body = await request.json()
-        prompt = [int(t) for t in body["input_ids"]]
-        params = dict(body.get("sampling_params") or {})
+        body = await _body(request)
+        prompt = body.get("input_ids")
+        if (not isinstance(prompt, list) or not prompt
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
+            raise BodyError("input_ids must be a non-empty list of token ids (integers >= 0)")
+        sp = body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise BodyError("sampling_params must be an object")
+        params = dict(sp)
         n = params.pop("n", 1)
         most = ctl.spec.server_limits.max_sequences_per_request
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= most:
-            raise ValueError(f"sampling_params.n={n!r}: must be an integer in [1, {most}]")
+            raise BodyError(f"sampling_params.n={n!r}: must be an integer in [1, {most}]")
         rid = str(body.get("rid") or f"req{id(body)}")
         seed = params.get("seed")
 

@@ -121,6 +121,9 @@ def test_soak_1000_concurrent_requests_through_pause_update_continue(two_tiny_qw
     stats = {"answered": 0, "finished": 0, "aborted": 0, "429": 0}
     probe_log = tmp_path / "probe.txt"
     probe = subprocess.Popen([sys.executable, "-c", _PROBE, url, str(probe_log)])
+    deadline = time.monotonic() + 30  # probing before the load starts: the burst is measured too
+    while (not probe_log.exists() or len(probe_log.read_text().split()) < 4) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
     async def main() -> int:
         rng = random.Random(7)

@@ -93,7 +93,7 @@ def test_failing_agent_and_slow_reward_are_counted_not_fatal(fileroot):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("rollout.max_head_offpolicyness=-1", "rollout.max_head_offpolicyness=-1: must be >= 0"),
+    ("rollout.max_head_offpolicyness=-1", "rollout.max_head_offpolicyness=-1 must be >= 0"),
     ("rollout.agent=mth", "unknown agent 'mth'; did you mean 'math'?"),
     ("allocation=gen:d1t2+train:d1", "tensor-parallel servers need rollout.backend=sglang"),
     ("allocation=d2", "needs one 'gen:<strategy>' term"),

@@ -117,6 +117,7 @@ class ExperimentSetup:
     setup_timeout_s: float = 600.0
     mfc_timeout_s: float = 1800.0
     heartbeat_timeout_s: float = 3.0
+    heartbeat_interval_s: float = 1.0
     trace: bool = True
     deploy: DeploySpec = field(default_factory=DeploySpec)
     recover: RecoverSpec = field(default_factory=lambda: RecoverSpec(mode="off"))
@@ -190,7 +191,10 @@ class BaseExperimentConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     heartbeat_timeout_s: float = field(default=3.0, metadata={
-        "help": "a worker silent this long (heartbeats are sent every second) is declared lost"})
+        "help": "a process of the run silent this long is declared lost and the run stops or relaunches "
+                "(a stopped or frozen worker is named within this; must exceed 2 heartbeat intervals)"})
+    heartbeat_interval_s: float = field(default=1.0, metadata={
+        "help": "every process sends a signed heartbeat this often (shorter: faster detection, more messages)"})
     recover_mode: str = field(default="auto", metadata={
         "help": "auto: write recover points, resume from the last one, relaunch after a fault | "
                 "resume: the same without relaunching | off: neither write nor resume"})
@@ -214,13 +218,17 @@ class BaseExperimentConfig:
 
     def runtime_fields(self) -> dict[str, Any]:
         """The :class:`ExperimentSetup` fields every experiment takes from these common settings."""
-        if self.heartbeat_timeout_s <= 1.0:
-            raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be > 1 (beats come every second)")
+        if not 0.05 <= self.heartbeat_interval_s <= 60.0:
+            raise ValueError(f"heartbeat_interval_s={self.heartbeat_interval_s} must be in [0.05, 60] seconds")
+        if not self.heartbeat_timeout_s > 2 * self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must be > 2 x heartbeat_interval_s="
+                             f"{self.heartbeat_interval_s} (one late beat must not declare a worker lost)")
         if self.worker_threads < 1:
             raise ValueError(f"worker_threads={self.worker_threads} must be >= 1")
         return dict(
             seed=self.seed, name_resolve=dataclasses.asdict(self.name_resolve), worker_threads=self.worker_threads,
             trace=self.trace, heartbeat_timeout_s=self.heartbeat_timeout_s,
+            heartbeat_interval_s=self.heartbeat_interval_s,
             deploy=DeploySpec(launcher=self.launcher, slurm=self.slurm, ray=self.ray),
             recover=RecoverSpec(mode=self.recover_mode, freq_steps=self.recover_freq_steps,
                                 freq_seconds=self.recover_freq_seconds, retries=self.recover_retries,

@@ -316,7 +316,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
                                   "max_context": b.max_context, "vocab_size": b.vocab_size})
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=await server.metrics_text(), content_type="text/plain")
+        return web.Response(text=server.metrics_text(), content_type="text/plain")
 
     async def on_startup(app: web.Application) -> None:
         server.start()

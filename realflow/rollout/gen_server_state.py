@@ -5,7 +5,7 @@ Why a module of its own: this is the part with threads and locks; the HTTP API
 
 Concurrency: the backend is stepped by ONE thread.  HTTP handlers (asyncio) never
 take the backend lock themselves: they queue operations (add these prompts, abort,
-pause, continue, read stats) that the step thread runs, in arrival order, before
+pause, continue) that the step thread runs, in arrival order, before
 its next step (:meth:`GenServer.on_step_thread`), so a request joins the running
 batch at the next step and a pause takes effect between two steps -- and the event
 loop is never blocked behind the engine, so ``/health`` answers at once under any
@@ -365,8 +365,11 @@ class GenServer:
             return (recent[-1][1] - recent[0][1]) / max(now - recent[0][0], 1e-9)
         return 0.0
 
-    async def metrics_text(self) -> str:
-        st, version = await self.on_step_thread(lambda: (dict(self.backend.stats()), self.backend.weight_version))
+    def metrics_text(self) -> str:
+        """Prometheus text.  Read without the backend lock: the counters are plain numbers the
+        step thread replaces whole, and a weight update holding the lock for seconds must not
+        hold up monitoring."""
+        st, version = dict(self.backend.stats()), self.backend.weight_version
         tps = self.recent_tokens_per_second()
         lines = []
 

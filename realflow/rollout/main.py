@@ -130,7 +130,7 @@ def run_controller(setup: ExperimentSetup, secret: bytes) -> int:
                                          timeout=setup.setup_timeout_s)
         hb = await asyncio.to_thread(resolver.wait, names.heartbeat_address(exp, trial),
                                      timeout=setup.setup_timeout_s)
-        beat = Heartbeater(names.ROLLOUT_CONTROLLER, hb, secret).start()
+        beat = Heartbeater(names.ROLLOUT_CONTROLLER, hb, secret, setup.heartbeat_interval_s).start()
         endpoint = WorkerEndpoint(names.ROLLOUT_CONTROLLER, master, secret)
         rpc = threading.Thread(target=endpoint.serve, args=(master_handlers(ctl, loop), stop),
                                name="master-rpc", daemon=True)
@@ -166,7 +166,7 @@ def run_rollout_worker(setup: ExperimentSetup, index: int, secret: bytes, import
     hb = resolver.wait(names.heartbeat_address(exp, trial), timeout=setup.setup_timeout_s)
     tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
     name = names.rollout_worker_name(index)
-    beat = Heartbeater(name, hb, secret).start()
+    beat = Heartbeater(name, hb, secret, setup.heartbeat_interval_s).start()
     try:
         worker = RolloutWorker(setup, index, secret, ctl_url, inboxes, http_token(secret), tokenizer,
                                imports=imports)

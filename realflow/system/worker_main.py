@@ -97,7 +97,7 @@ def run_model_worker(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     exp, trial = setup.experiment_name, setup.trial_name
     master_addr = resolver.wait(names.master_address(exp, trial), timeout=setup.setup_timeout_s)
     hb_addr = resolver.wait(names.heartbeat_address(exp, trial), timeout=setup.setup_timeout_s)
-    beat = Heartbeater(name, hb_addr, secret).start()
+    beat = Heartbeater(name, hb_addr, secret, setup.heartbeat_interval_s).start()
     endpoint = WorkerEndpoint(name, master_addr, secret)
     stop = threading.Event()
     worker = ModelWorker(setup, plan, index, resolver, on_finish=stop.set, secret=secret)

@@ -226,10 +226,17 @@ class _RLBase(BaseExperimentConfig):
                         freq_steps=self.eval_freq_steps)
 
     def _default_allocation(self) -> str:
+        """Data parallel over every worker while a replica trains within a worker's memory (the
+        fastest: see :func:`parallel.backend.smallest_fitting_tp`); otherwise training at the
+        smallest tensor-parallel degree that fits and everything else data-parallel, the actor's
+        weights reallocated between the two layouts each step."""
+        from parallel.backend import read_hf_config, smallest_fitting_tp
+
         n = self.n_workers
-        if n % 2:
-            return f"d{n}"
-        return f"actor_train:d{n // 2}t2,*:d{n}"  # train tensor-parallel, generate data-parallel
+        actor = self._paths()[0]
+        cfg = read_hf_config(actor) or self.planned_actor_config()
+        tp = smallest_fitting_tp(cfg, n, n) if cfg is not None else 1
+        return f"d{n}" if tp == 1 else f"actor_train:d{n // tp}t{tp},*:d{n}"
 
 
 def _rl_fields(name: str, cls_name: str, graph: str, lr: float, steps: int, batch: int) -> Any:

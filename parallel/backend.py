@@ -122,7 +122,7 @@ class MegatronBackend:
         trained; activations and KV cache come on top) against a capacity, so the
         check is deterministic on every process.
         """
-        cfg = _read_hf_config(spec.path)
+        cfg = read_hf_config(spec.path)
         planned = cfg is None and spec.expected_config is not None
         if planned:
             cfg = dict(spec.expected_config)
@@ -160,7 +160,7 @@ class MegatronBackend:
 
     def check_same_architecture(self, source: Any, target: Any) -> Optional[str]:
         """Raise :class:`LayoutError` unless both checkpoints have the same architecture fields."""
-        a, b = _read_hf_config(source.path), _read_hf_config(target.path)
+        a, b = read_hf_config(source.path), read_hf_config(target.path)
         if a is None or b is None:
             missing = source if a is None else target
             return f"model {missing.role!r}: no config.json in {missing.path!r} yet; architectures not compared"
@@ -175,7 +175,7 @@ _ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention
                 "intermediate_size", "vocab_size", "head_dim", "tie_word_embeddings")
 
 
-def _read_hf_config(path: str) -> Optional[dict[str, Any]]:
+def read_hf_config(path: str) -> Optional[dict[str, Any]]:
     """The checkpoint's config.json as a dict (plain JSON: no transformers import), or None if absent."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
@@ -237,6 +237,30 @@ def estimate_rank_bytes(cfg: dict[str, Any], strategy: ParallelStrategy, trained
     if trained:
         per_param += 4 + (8 + (4 if low_precision else 0)) / strategy.dp
     return params, int(params * per_param)
+
+
+def smallest_fitting_tp(cfg: dict[str, Any], n_workers: int, n_workers_per_host: int,
+                        headroom: float = 2.0) -> int:
+    """The smallest tensor-parallel degree with which ``cfg`` trains within a worker's memory.
+
+    Why the smallest: tensor parallelism splits every layer's matrices, so each layer costs
+    collectives; when a whole replica fits, data parallelism over every worker is faster
+    (``benchmarks/bench_e2e_rl.py``: the default GRPO step takes 0.95 s at d2 against 1.37 s
+    with training at d1t2 on 2 CPU cores). ``headroom`` multiplies the lower-bound estimate
+    (weights, grads, optimizer states) to leave room for activations.  Returns 1 when
+    nothing divides the model or nothing fits (the layout check then says why).
+    """
+    have, _ = _memory_per_worker(n_workers_per_host)
+    heads = int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    ffn = int(cfg["intermediate_size"])
+    tp = 1
+    while tp <= n_workers and not n_workers % tp and not heads % tp and not kv % tp and not ffn % tp:
+        _, need = estimate_rank_bytes(cfg, ParallelStrategy(dp=n_workers // tp, tp=tp), True)
+        if need * headroom <= have:
+            return tp
+        tp *= 2
+    return 1
 
 
 def _memory_per_worker(n_workers_per_host: int) -> tuple[int, str]:

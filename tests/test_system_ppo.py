@@ -1,7 +1,8 @@
 """Synchronous PPO / GRPO end to end through the real launcher (master + 2 model workers).
 
-The actor trains tensor-parallel (d1t2) and generates data-parallel (d2), so parameters
-are reallocated before every generation; a small SFT run first produces the starting
+The GRPO run names the reallocating layout (the actor trains tensor-parallel, d1t2, and
+generates data-parallel, d2, so parameters are reallocated before every generation); the
+default layout is data-parallel everywhere.  A small SFT run first produces the starting
 checkpoint, as the default ``main_sync_ppo`` does.
 """
 from __future__ import annotations
@@ -38,6 +39,11 @@ def fileroot(tmp_path_factory):
     return root
 
 
+#: the explicit reallocating layout (the default, data-parallel everywhere, reallocates nothing):
+#: train tensor-parallel, generate data-parallel, the actor's weights moved between them every step
+REALLOC = "allocation=actor_train:d1t2,*:d2"
+
+
 @pytest.mark.timeout(600)
 def test_grpo_raises_reward_with_reallocation_every_step(fileroot):
     # the self-consistency reward of the arithmetic format is dense enough for a weak model to learn
@@ -45,7 +51,7 @@ def test_grpo_raises_reward_with_reallocation_every_step(fileroot):
     steps = 30
     res = _run(["realflow.apps.main_sync_ppo"], fileroot, f"max_train_steps={steps}", "batch_size=32",
                "ppo.n_samples=8", "actor_optimizer.lr=1e-4", "reward=arithmetic_consistency",
-               "dataset.n_test=64", "seed=3")
+               "dataset.n_test=64", "seed=3", REALLOC)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [r for r in _stats(fileroot / "grpo-math" / "trial0") if "actor_train/reward" in r]
     assert len(rows) == steps
@@ -79,7 +85,13 @@ def test_ppo_with_critic_reference_ema_and_offload(fileroot):
 
 
 def test_sync_ppo_dry_run_shows_reallocation(fileroot):
-    res = _run(["realflow.apps.main_sync_ppo"], fileroot, "--dry-run", timeout=120)
+    res = _run(["realflow.apps.main_sync_ppo"], fileroot, "--dry-run", REALLOC, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "realloc actor d1t2p1@[0, 1] -> actor d2t1p1@[0, 1] [to MFC layout]" in res.stdout
+    # the default: a replica of the small default model trains within a worker's memory, so every
+    # MFC runs data-parallel on both workers (the fastest layout) and nothing is reallocated
+    res = _run(["realflow.apps.main_sync_ppo"], fileroot, "--dry-run", "trial_name=default_alloc", timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "realloc actor" not in res.stdout, res.stdout
+    assert "actor d2t1p1@[0, 1] (home; MFCs: actor_gen, actor_train)" in res.stdout, res.stdout
     assert (fileroot / "grpo-math" / "trial0" / "plan.png").is_file()

@@ -1,0 +1,228 @@
+"""The default GRPO step end to end: realflow against a plain PyTorch + transformers loop.
+
+One command:  python benchmarks/bench_e2e_rl.py [--models default,20m] [--steps 6] [--rounds 2]
+
+Both sides do the same work from the same checkpoint: ``batch_size`` prompts of the
+default RL data set x ``n_samples`` sampled responses (temperature 1, ``max_new_tokens``,
+EOS stops a row), the arithmetic rule reward, group-normalised (GRPO) advantages, the PPO
+clipped token-level loss with the behaviour log-probs of generation, AdamW with the same
+learning rate and clipping, ``n_minibatches`` optimizer steps per batch, micro-batches of at
+most ``max_tokens_per_mb`` tokens.  The plain loop is one process using every core:
+``model.generate`` for the rollouts, then forward/backward.  realflow runs its launcher with
+the experiment's defaults (allocation included).  The two alternate ``--rounds`` times in
+this run; each reports the mean step time after a warm-up step.
+
+Models: ``default`` is the embedded default (the SFT checkpoint the default run starts from,
+trained first if absent); ``20m`` a ~20M-parameter Qwen2 (random init, the same tokenizer).
+Prints seconds per step for each side, the ratio (goal: >= 3x on the default model, >= 2x
+on the 20M one) and realflow's breakdown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _realflow_steps import breakdown, run_job  # noqa: E402
+
+EXPERIMENT = "grpo-math"
+TWENTY_M = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4,
+                intermediate_size=1408, max_position_embeddings=128)
+
+
+@dataclass
+class Work:
+    """What one GRPO step does (read from the experiment's defaults, so both sides agree)."""
+
+    batch_size: int
+    n_samples: int
+    max_new_tokens: int
+    temperature: float
+    lr: float
+    eps_clip: float
+    n_minibatches: int
+    max_tokens_per_mb: int
+    grad_clip: float
+    max_prompt_len: int
+
+    @classmethod
+    def from_defaults(cls) -> "Work":
+        import experiments  # noqa: F401  (registers the experiments)
+        from realflow.api.config import parse_overrides
+        from realflow.api.experiment import experiment_registry
+
+        c = parse_overrides(experiment_registry.get(EXPERIMENT), [])
+        return cls(c.batch_size, c.ppo.n_samples, c.ppo.max_new_tokens, c.ppo.temperature, c.actor_optimizer.lr,
+                   c.ppo.eps_clip, c.ppo.n_minibatches, c.max_tokens_per_mb, c.actor_optimizer.gradient_clipping,
+                   c.dataset.max_prompt_len)
+
+
+# ---------------------------------------------------------------- the plain loop
+
+
+class PlainGRPO:
+    """A straightforward single-process GRPO loop (what a user would write without realflow)."""
+
+    def __init__(self, model_path: str, data_path: str, work: Work) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(os.cpu_count() or 1)
+        self.torch, self.w = torch, work
+        self.tok = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=work.lr, weight_decay=0.0)
+        with open(data_path) as f:
+            self.rows = [json.loads(line) for line in f if line.strip()]
+        self.next_row = 0
+        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+
+    def _prompts(self) -> tuple[list[list[int]], list[str]]:
+        out, answers = [], []
+        while len(out) < self.w.batch_size:
+            row = self.rows[self.next_row % len(self.rows)]
+            self.next_row += 1
+            ids = self.tok(row["prompt"])["input_ids"]
+            if len(ids) <= self.w.max_prompt_len:
+                out.append(ids)
+                answers.append(str(row["answer"]))
+        return out, answers
+
+    def step(self) -> float:
+        from mfc.advantages import grpo_advantages
+        from mfc.reward import arithmetic_task_reward
+        from realflow.api.reward import RewardInput
+
+        torch, w = self.torch, self.w
+        t0 = time.perf_counter()
+        prompts, answers = self._prompts()
+        width = max(map(len, prompts))
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])  # left padding
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        self.model.eval()
+        with torch.no_grad():
+            out = self.model.generate(ids, attention_mask=mask, do_sample=True, temperature=w.temperature,
+                                      top_p=1.0, top_k=0, max_new_tokens=w.max_new_tokens,
+                                      num_return_sequences=w.n_samples, pad_token_id=self.pad,
+                                      output_logits=True, return_dict_in_generate=True)
+        resp = out.sequences[:, width:]
+        logits = torch.stack(out.logits, 1).float()
+        behav = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1)
+        eos = self.tok.eos_token_id
+        ended = (resp == eos).cumsum(1)
+        resp_mask = (ended == 0) | ((ended == 1) & (resp == eos))  # tokens up to and with the first EOS
+        texts = self.tok.batch_decode(resp.masked_fill(~resp_mask, self.pad), skip_special_tokens=True)
+        rewards = torch.tensor([arithmetic_task_reward(RewardInput(str(i), t, answers[i // w.n_samples]))
+                                for i, t in enumerate(texts)])
+        adv = grpo_advantages(rewards, [w.n_samples] * len(prompts))
+        # train: prompt + response rows, right-padded; loss on response tokens only
+        p_ids = ids.repeat_interleave(w.n_samples, 0)
+        p_mask = mask.repeat_interleave(w.n_samples, 0)
+        full = torch.cat([p_ids, resp], 1)
+        attn = torch.cat([p_mask, resp_mask.long()], 1)
+        self.model.train()
+        order = torch.randperm(len(full))
+        for mb_rows in order.chunk(w.n_minibatches):
+            self.opt.zero_grad(set_to_none=True)
+            n_tok = resp_mask[mb_rows].sum().clamp(min=1)
+            per_mb = max(1, w.max_tokens_per_mb // full.shape[1])
+            for rows in mb_rows.split(per_mb):
+                out_logits = self.model(full[rows], attention_mask=attn[rows]).logits[:, width - 1:-1].float()
+                logp = torch.log_softmax(out_logits, -1).gather(-1, resp[rows][..., None]).squeeze(-1)
+                ratio = (logp - behav[rows]).exp()
+                a = adv[rows][:, None]
+                loss = -torch.min(ratio * a, ratio.clamp(1 - w.eps_clip, 1 + w.eps_clip) * a)
+                (loss * resp_mask[rows]).sum().div(n_tok).backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), w.grad_clip)
+            self.opt.step()
+        return time.perf_counter() - t0
+
+
+def run_plain(model_path: str, data_path: str, work: Work, steps: int) -> list[float]:
+    loop = PlainGRPO(model_path, data_path, work)
+    times = [loop.step() for _ in range(steps + 1)]
+    return times[1:]  # the first step warms up
+
+
+# ---------------------------------------------------------------- models
+
+
+def ensure_models(root: str, which: list[str]) -> dict[str, list[str]]:
+    """Overrides that point realflow at each model (the default: its own SFT start)."""
+    out: dict[str, list[str]] = {}
+    if "default" in which:
+        out["default"] = []
+    if "20m" in which:
+        from experiments.init_model import TinyArchConfig, ensure_random_checkpoint
+
+        sft = _default_checkpoint(root)
+        path = os.path.join(root, "model-20m")
+        ensure_random_checkpoint(path, sft, TinyArchConfig(**TWENTY_M), seed=0)
+        out["20m"] = [f"model.path={path}"]
+    return out
+
+
+def _default_checkpoint(root: str) -> str:
+    path = os.path.join(root, "sft", "trial0", "checkpoints", "default", "final")
+    if not os.path.isfile(os.path.join(path, "config.json")):  # the default run trains it first
+        run_job(EXPERIMENT, root, "prepare", 1, [])
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="default,20m", help="comma-separated: default, 20m")
+    ap.add_argument("--steps", type=int, default=6, help="measured steps per side per round (after 1 warm-up)")
+    ap.add_argument("--rounds", type=int, default=2, help="realflow / plain alternations")
+    ap.add_argument("--fileroot", default="", help="reuse a fileroot (its SFT checkpoint and data)")
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides for realflow")
+    a = ap.parse_args()
+    root = a.fileroot or tempfile.mkdtemp(prefix="bench_e2e_rl_")
+    work = Work.from_defaults()
+    _default_checkpoint(root)
+    data = os.path.join(root, "data", "arith-rl-d3-s1", "train.jsonl")
+    if not os.path.isfile(data):
+        import glob
+
+        data = sorted(glob.glob(os.path.join(root, "data", "*-rl-*", "train.jsonl")))[0]
+    print(f"work per step: {work.batch_size} prompts x {work.n_samples} samples, {work.max_new_tokens} new tokens, "
+          f"{work.n_minibatches} optimizer steps; {os.cpu_count()} cores")
+    summary = {}
+    for name, overrides in ensure_models(root, a.models.split(",")).items():
+        model_path = overrides[0].split("=", 1)[1] if overrides else _default_checkpoint(root)
+        rf_rows: list[dict] = []
+        plain: list[float] = []
+        for r in range(a.rounds):
+            rows = run_job(EXPERIMENT, root, f"e2e-{name}-{r}", a.steps + 1, [*overrides, *a.overrides])
+            rf_rows += rows[1:]
+            plain += run_plain(model_path, data, work, a.steps)
+        parts = breakdown(rf_rows)
+        rf_step, plain_step = parts.pop("step"), statistics.mean(plain)
+        n_params = _n_params(model_path)
+        print(f"\nmodel {name} ({n_params / 1e6:.2f}M params): realflow {rf_step:.3f} s/step, plain loop "
+              f"{plain_step:.3f} s/step -> realflow is {plain_step / rf_step:.2f}x "
+              f"(goal {'3' if name == 'default' else '2'}x)")
+        for part, sec in parts.items():
+            print(f"  realflow {part:<46} {sec * 1000:8.1f} ms  {100 * sec / rf_step:5.1f}%")
+        summary[name] = {"realflow_s": round(rf_step, 4), "plain_s": round(plain_step, 4),
+                         "speedup": round(plain_step / rf_step, 3)}
+    print(json.dumps(summary))
+
+
+def _n_params(path: str) -> int:
+    with open(os.path.join(path, "config.json")) as f:
+        c = json.load(f)
+    h, n, ffn, v = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    kv = h // c["num_attention_heads"] * c.get("num_key_value_heads", c["num_attention_heads"])
+    return v * h + n * (2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h) + h
+
+
+if __name__ == "__main__":
+    main()

@@ -54,10 +54,10 @@ class Work:
 
     @classmethod
     def from_defaults(cls) -> "Work":
-        import experiments  # noqa: F401  (registers the experiments)
-        from realflow.api.config import parse_overrides
+        from realflow.api.config import import_modules, parse_overrides
         from realflow.api.experiment import experiment_registry
 
+        import_modules(["experiments"])  # registers the experiments
         c = parse_overrides(experiment_registry.get(EXPERIMENT), [])
         return cls(c.batch_size, c.ppo.n_samples, c.ppo.max_new_tokens, c.ppo.temperature, c.actor_optimizer.lr,
                    c.ppo.eps_clip, c.ppo.n_minibatches, c.max_tokens_per_mb, c.actor_optimizer.gradient_clipping,
@@ -82,6 +82,8 @@ class PlainGRPO:
         with open(data_path) as f:
             self.rows = [json.loads(line) for line in f if line.strip()]
         self.next_row = 0
+        self.phases: dict[str, list[float]] = {"generation": [], "reward + advantages": [], "training": []}
+        self.gen_tokens: list[int] = []
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
 
     def _prompts(self) -> tuple[list[list[int]], list[str]]:
@@ -112,6 +114,7 @@ class PlainGRPO:
                                       top_p=1.0, top_k=0, max_new_tokens=w.max_new_tokens,
                                       num_return_sequences=w.n_samples, pad_token_id=self.pad,
                                       output_logits=True, return_dict_in_generate=True)
+        t_gen = time.perf_counter()
         resp = out.sequences[:, width:]
         logits = torch.stack(out.logits, 1).float()
         behav = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1)
@@ -122,6 +125,7 @@ class PlainGRPO:
         rewards = torch.tensor([arithmetic_task_reward(RewardInput(str(i), t, answers[i // w.n_samples]))
                                 for i, t in enumerate(texts)])
         adv = grpo_advantages(rewards, [w.n_samples] * len(prompts))
+        t_adv = time.perf_counter()
         # train: prompt + response rows, right-padded; loss on response tokens only
         p_ids = ids.repeat_interleave(w.n_samples, 0)
         p_mask = mask.repeat_interleave(w.n_samples, 0)
@@ -142,13 +146,20 @@ class PlainGRPO:
                 (loss * resp_mask[rows]).sum().div(n_tok).backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), w.grad_clip)
             self.opt.step()
-        return time.perf_counter() - t0
+        end = time.perf_counter()
+        for k, v in zip(self.phases, (t_gen - t0, t_adv - t_gen, end - t_adv)):
+            self.phases[k].append(v)
+        self.gen_tokens.append(int(resp_mask.sum()))
+        return end - t0
 
 
-def run_plain(model_path: str, data_path: str, work: Work, steps: int) -> list[float]:
+def run_plain(model_path: str, data_path: str, work: Work, steps: int) -> tuple[list[float], dict[str, float]]:
+    """Step times after one warm-up step, and the mean seconds of each phase (plus generated tokens/s)."""
     loop = PlainGRPO(model_path, data_path, work)
-    times = [loop.step() for _ in range(steps + 1)]
-    return times[1:]  # the first step warms up
+    times = [loop.step() for _ in range(steps + 1)][1:]
+    phases = {k: statistics.mean(v[1:]) for k, v in loop.phases.items()}
+    phases["generated tokens/s"] = sum(loop.gen_tokens[1:]) / sum(loop.phases["generation"][1:])
+    return times, phases
 
 
 # ---------------------------------------------------------------- models
@@ -199,18 +210,28 @@ def main() -> None:
         model_path = overrides[0].split("=", 1)[1] if overrides else _default_checkpoint(root)
         rf_rows: list[dict] = []
         plain: list[float] = []
+        plain_phases: list[dict[str, float]] = []
         for r in range(a.rounds):
             rows = run_job(EXPERIMENT, root, f"e2e-{name}-{r}", a.steps + 1, [*overrides, *a.overrides])
             rf_rows += rows[1:]
-            plain += run_plain(model_path, data, work, a.steps)
+            times, phases = run_plain(model_path, data, work, a.steps)
+            plain += times
+            plain_phases.append(phases)
         parts = breakdown(rf_rows)
         rf_step, plain_step = parts.pop("step"), statistics.mean(plain)
+        gen_tokens = statistics.mean(r.get("actor_train/response_len", 0.0) for r in rf_rows) * work.batch_size \
+            * work.n_samples
         n_params = _n_params(model_path)
         print(f"\nmodel {name} ({n_params / 1e6:.2f}M params): realflow {rf_step:.3f} s/step, plain loop "
               f"{plain_step:.3f} s/step -> realflow is {plain_step / rf_step:.2f}x "
               f"(goal {'3' if name == 'default' else '2'}x)")
         for part, sec in parts.items():
             print(f"  realflow {part:<46} {sec * 1000:8.1f} ms  {100 * sec / rf_step:5.1f}%")
+        print(f"  realflow generated tokens/s inside the step: {gen_tokens / parts['generation']:.0f} "
+              f"(benchmarks/bench_generate.py measures the engine alone)")
+        for part in plain_phases[0]:
+            v = statistics.mean(p[part] for p in plain_phases)
+            print(f"  plain    {part:<46} " + (f"{v:8.0f}" if "/s" in part else f"{v * 1000:8.1f} ms"))
         summary[name] = {"realflow_s": round(rf_step, 4), "plain_s": round(plain_step, 4),
                          "speedup": round(plain_step / rf_step, 3)}
     print(json.dumps(summary))

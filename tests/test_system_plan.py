@@ -327,3 +327,24 @@ def test_dry_run_prints_the_plan_and_draws_graph_and_placement(tmp_path, capsys)
                                   "n_workers=3", "--dry-run"])
     err = capsys.readouterr().err
     assert rc == 2 and "tp=3 does not divide num_attention_heads=4" in err
+
+
+def test_default_layout_is_data_parallel_unless_a_replica_does_not_fit(monkeypatch):
+    """The rule behind the RL experiments' default allocation (benchmarks/bench_e2e_rl.py measured
+    data parallelism fastest when a replica fits): tp=1 for a small model; the smallest tp whose
+    training state fits a worker's memory for a large one; 1 when nothing divides or fits."""
+    import parallel.backend as backend
+    from parallel.backend import smallest_fitting_tp
+
+    assert smallest_fitting_tp(TINY, 4, 4) == 1
+    big = {**TINY, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+           "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}
+    gib = 1 << 30
+    monkeypatch.setattr(backend, "_memory_per_worker", lambda n: (320 * gib, "test: 320 GiB per worker"))
+    assert smallest_fitting_tp(big, 8, 8) == 8  # 70B fp32: weights, grads and Adam fit (2x headroom) only at tp=8
+    _, need = estimate_rank_bytes(big, ParallelStrategy(dp=1, tp=8), True)
+    _, need4 = estimate_rank_bytes(big, ParallelStrategy(dp=2, tp=4), True)
+    assert 2 * need <= 320 * gib < 2 * need4
+    monkeypatch.setattr(backend, "_memory_per_worker", lambda n: (80 * gib, "test: 80 GiB per worker"))
+    assert smallest_fitting_tp(big, 8, 8) == 1  # fits nowhere: the layout check names the shortfall
+    assert smallest_fitting_tp({**big, "num_attention_heads": 63, "num_key_value_heads": 7}, 8, 8) == 1

@@ -1,0 +1,4 @@
+# expect: process limit|killed by
+import os
+while True:
+    os.fork()

@@ -1,0 +1,4 @@
+# expect: output limit
+import sys
+while True:
+    sys.stdout.write('x' * 65536)

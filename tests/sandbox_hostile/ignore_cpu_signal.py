@@ -1,0 +1,5 @@
+# expect: CPU time limit|killed by SIGKILL|wall time limit
+import signal
+signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+while True:
+    pass

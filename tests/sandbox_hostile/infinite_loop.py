@@ -1,0 +1,3 @@
+# expect: CPU time limit|killed by SIGKILL|wall time limit
+while True:
+    pass

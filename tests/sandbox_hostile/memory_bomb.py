@@ -1,0 +1,2 @@
+# expect: memory limit
+x = bytearray(4 << 30)

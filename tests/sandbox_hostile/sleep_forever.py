@@ -1,0 +1,3 @@
+# expect: wall time limit
+import time
+time.sleep(3600)

@@ -68,7 +68,7 @@ async def _round(ctl: RolloutController, sender: WeightSender, state: dict, v: i
 def test_broadcast_rounds_during_generation_reach_every_server_exactly(servers, two_tiny_qwen2):
     models = two_tiny_qwen2
     state = {k: {n: t.detach().clone() for n, t in m.state_dict().items()} for k, (_, m) in models.items()}
-    rounds, budget = 9, 40
+    rounds, budget = 9, 120
     sender = WeightSender("127.0.0.1")
 
     async def main():
@@ -79,6 +79,12 @@ def test_broadcast_rounds_during_generation_reach_every_server_exactly(servers, 
             reqs = [asyncio.create_task(ctl.pool.complete(f"q{i}", [1 + i % 7, 2, 3], dict(params, seed=i)))
                     for i in range(24)]
             for v in range(1, rounds + 1):
+                # requests running when the round pauses the servers: they must span it (not a race
+                # between the first round's group setup and 24 short requests finishing)
+                reqs += [asyncio.create_task(ctl.pool.complete(f"r{v}-{i}", [4, 5], dict(params, seed=100 * v + i)))
+                         for i in range(2)]
+                while not any(s.in_flight for s in ctl.pool.servers):
+                    await asyncio.sleep(0.005)
                 await _round(ctl, sender, state["b" if v % 2 else "a"], v)
             done = await asyncio.gather(*reqs)
             probe = await ctl.pool.broadcast("/generate", {"input_ids": [3, 1, 4, 1], "return_logprob": True,

@@ -81,7 +81,8 @@ def test_on_policy_eta_zero_trains_only_the_current_version(fileroot):
 @pytest.mark.timeout(300)
 def test_failing_agent_and_slow_reward_are_counted_not_fatal(fileroot):
     res = _run(["realflow.apps.main_async_ppo", "--import", "flaky_agent"], fileroot, *FAST, "max_train_steps=3",
-               "batch_size=8", "rollout.agent=flaky", "rollout.reward_timeout_s=1", "trial_name=flaky",
+               "batch_size=8", "rollout.agent=flaky", "rollout.agent_args={\"every\": 10}",
+               "rollout.reward_timeout_s=1", "trial_name=flaky",
                "rollout.weight_sync=disk")
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = fileroot / "async-grpo-math" / "flaky"

@@ -10,7 +10,6 @@ from typing import Any, Callable, Self
 
 import zmq
 
-from realflow.comm.drop_log import DropLog  # noqa: F401  (re-exported: master and worker use it)
 
 from realflow.comm import codec
 

@@ -11,9 +11,10 @@ import zmq
 
 from realflow.base.network import host_address
 from realflow.comm import codec
+from realflow.comm.drop_log import DropLog
 from realflow.comm.auth import AuthError, Signer, Verifier, check_secret
 from realflow.comm.rpc.common import (
-    DEADLINE_GRACE_S, DEFAULT_MASTER_NAME, HWM, DropLog, RemoteError, RequestTimeout, RpcError, SocketEndpoint,
+    DEADLINE_GRACE_S, DEFAULT_MASTER_NAME, HWM, RemoteError, RequestTimeout, RpcError, SocketEndpoint,
     WorkersMissing, WorkerUnreachable, encode_message, make_socket, receive, send_frames,
 )
 

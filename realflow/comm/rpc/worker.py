@@ -9,9 +9,10 @@ from typing import Any, Callable, Mapping
 import zmq
 
 from realflow.comm import codec
+from realflow.comm.drop_log import DropLog
 from realflow.comm.auth import AuthError, Signer, Verifier, check_secret
 from realflow.comm.rpc.common import (
-    DEFAULT_MASTER_NAME, HWM, NOBLOCK, DropLog, ReplyThen, Request, RpcError, SocketEndpoint, encode_message, error_text,
+    DEFAULT_MASTER_NAME, HWM, NOBLOCK, ReplyThen, Request, RpcError, SocketEndpoint, encode_message, error_text,
     make_socket, receive, send_frames,
 )
 

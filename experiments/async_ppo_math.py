@@ -56,6 +56,8 @@ class AsyncRolloutConfig:
                 "and reward from the ppo/reward fields"})
     reward_timeout_s: float = field(default=10.0, metadata={"help": "per reward call, in the reward process pool"})
     reward_processes: int = field(default=1, metadata={"help": "reward process pool size per rollout worker"})
+    agent_timeout_s: float = field(default=600.0, metadata={
+        "help": "an agent that does not return a rollout within this fails it (logged, counted as a timeout)"})
     max_running_requests: int = field(default=128, metadata={"help": "KV-cache slots per generation server"})
     backend: str = field(default="builtin", metadata={"help": "generation backend: builtin | sglang"})
     server_limits: GenServerLimits = field(default_factory=GenServerLimits, metadata={
@@ -141,6 +143,7 @@ class _AsyncBase(_RLBase):
                 max_head_offpolicyness=r.max_head_offpolicyness, train_batch_size=self.batch_size,
                 weight_sync=r.weight_sync, weight_broadcast_timeout_s=r.weight_broadcast_timeout_s,
                 interrupt_mode=r.interrupt_mode, reward_timeout_s=r.reward_timeout_s,
+                agent_timeout_s=r.agent_timeout_s,
                 reward_processes=r.reward_processes, server_limits=r.server_limits, seed=self.seed)
         except RolloutError as e:
             raise RolloutError(f"rollout.{e}") from None

@@ -72,6 +72,15 @@ class AgentContext(Protocol):
         fields), in the reward process pool; raises :class:`RewardTimeout` on timeout."""
         ...
 
+    async def open_session(self, seed: int) -> Any:
+        """A session of the worker's OpenAI-compatible proxy (``.base_url``, ``.key``, ``.model``),
+        see :mod:`realflow.api.agent_function`."""
+        ...
+
+    def close_session(self, key: str) -> list[Any]:
+        """End a session; its :class:`~realflow.api.agent_session.RecordedCompletion` list."""
+        ...
+
 
 class Agent(abc.ABC):
     """Base class of registered agents; constructed once per rollout worker with the config's args."""

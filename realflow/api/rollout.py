@@ -71,6 +71,7 @@ class RolloutSpec:
     weight_sync: str = "memory"
     interrupt_mode: str = "abort"
     reward_timeout_s: float = 10.0
+    agent_timeout_s: float = 600.0  # one rollout (agent.run on a row), else failed and counted
     reward_processes: int = 1
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
@@ -93,7 +94,8 @@ class RolloutSpec:
             raise bad("weight_sync", f"expected one of {WEIGHT_SYNC_MODES}")
         if self.interrupt_mode not in INTERRUPT_MODES:
             raise bad("interrupt_mode", f"expected one of {INTERRUPT_MODES}")
-        for name in ("reward_timeout_s", "request_timeout_s", "health_interval_s", "weight_broadcast_timeout_s"):
+        for name in ("reward_timeout_s", "agent_timeout_s", "request_timeout_s", "health_interval_s",
+                     "weight_broadcast_timeout_s"):
             if not getattr(self, name) > 0:
                 raise bad(name, "must be > 0 seconds")
         try:

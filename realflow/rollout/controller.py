@@ -68,6 +68,7 @@ class Counts:
     finished: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     refused: int = 0  # /admit calls answered "not now" (the staleness bound held a rollout back)
     agent_errors: int = 0
+    agent_timeouts: int = 0
 
     @property
     def live_total(self) -> int:
@@ -170,7 +171,7 @@ class RolloutController:
                     return {"admitted": False, "stop": False}
 
     async def done(self, version: int, ok: bool, error: str = "", index: Optional[int] = None,
-                   sample_id: str = "") -> None:
+                   sample_id: str = "", timed_out: bool = False) -> None:
         """A rollout admitted at ``version`` (prompt number ``index``) reached the trainer (``ok``) or failed."""
         if self.counts.admitted.get(version, 0) <= self.counts.failed[version] + self.counts.finished[version]:
             raise ValueError(f"/done for version {version}: no such rollout is running")
@@ -181,13 +182,14 @@ class RolloutController:
         else:
             self.counts.failed[version] += 1
             self.counts.agent_errors += 1
+            self.counts.agent_timeouts += bool(timed_out)
         await self._notify()
 
     def state(self) -> dict[str, Any]:
         c = self.counts
         return {"version": self.version, "admitted": dict(c.admitted), "failed": dict(c.failed),
                 "finished": dict(c.finished), "running": c.running, "refused": c.refused,
-                "agent_errors": c.agent_errors, "tokens_generated": self.pool.tokens_generated,
+                "agent_errors": c.agent_errors, "agent_timeouts": c.agent_timeouts, "tokens_generated": self.pool.tokens_generated,
                 "failovers": self.pool.requests_failed_over,
                 "servers": {s.name: {"alive": s.alive, "url": s.url, "version": s.version,
                                      "outstanding_tokens": s.outstanding_tokens, "lost": s.lost_reason}
@@ -413,7 +415,8 @@ def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.
     async def done(request: web.Request) -> web.Response:
         body = await _body(request)
         await ctl.done(_field(body, "version", int), _field(body, "ok", bool), _field(body, "error", str, ""),
-                       _field(body, "index", int, None), _field(body, "id", str, ""))
+                       _field(body, "index", int, None), _field(body, "id", str, ""),
+                       _field(body, "timed_out", bool, False))
         return web.json_response({"success": True})
 
     async def generate(request: web.Request) -> web.Response:

@@ -39,12 +39,20 @@ from realflow.api.rollout import rollout_to_batch
 from realflow.comm.auth import Signer
 from realflow.comm.codec import encode
 
-__all__ = ["RolloutWorker", "RewardPool"]
+__all__ = ["RolloutWorker", "RewardPool", "ControllerError"]
 
 logger = logging.getLogger("realflow.rollout.worker")
 
 ADMIT_TIMEOUT_S = 30.0  # one /admit HTTP call (the controller long-polls for at most 5 s)
 PUSH_TIMEOUT_S = 300.0  # the trainer's inbox must take a trajectory within this time
+
+
+class ControllerError(RuntimeError):
+    """The rollout controller answered an error status (kept, so the proxy can pass 4xx on)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _child_init(imports: list[str]) -> None:
@@ -150,6 +158,16 @@ class _Context:
                     args: Optional[dict[str, Any]] = None) -> list[float]:
         return await self._w.rewards.score(reward, samples, args)
 
+    async def open_session(self, seed: int) -> Any:
+        proxy = await self._w.proxy()
+        s = proxy.open_session(seed)
+        self._w.session_keys.setdefault(self._rid, set()).add(s.key)
+        return s
+
+    def close_session(self, key: str) -> list:
+        self._w.session_keys.get(self._rid, set()).discard(key)
+        return self._w.openai_proxy.close_session(key) if self._w.openai_proxy is not None else []
+
 
 class RolloutWorker:
     def __init__(self, setup: ExperimentSetup, index: int, secret: bytes, controller_url: str,
@@ -177,7 +195,42 @@ class RolloutWorker:
         self.rows = self._load_rows()
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its seeded permutation of the rows)
         self.session: Optional[aiohttp.ClientSession] = None
-        self.n_ok = self.n_failed = 0
+        self.n_ok = self.n_failed = self.n_timed_out = 0
+        self.openai_proxy: Any = None  # started on the first agent session (FunctionAgent)
+        self.session_keys: dict[str, set[str]] = {}  # rollout -> its open proxy sessions
+        self._proxy_lock: Optional[asyncio.Lock] = None
+
+    async def proxy(self) -> Any:
+        """This worker's OpenAI-compatible proxy (loopback), started on first use."""
+        from realflow.rollout.openai_proxy import OpenAIProxy, ProxyConfig
+
+        if self._proxy_lock is None:
+            self._proxy_lock = asyncio.Lock()
+        async with self._proxy_lock:
+            if self.openai_proxy is None:
+                opts = dict(getattr(self.agent, "proxy_options", {}) or {})
+                try:
+                    cfg = ProxyConfig(**opts)
+                except TypeError as e:
+                    raise ValueError(f"agent {self.spec.agent!r}: bad proxy option in {opts}: {e}") from None
+                proxy = OpenAIProxy(self._proxy_generate, self.tokenizer, cfg)
+                url = await proxy.start()
+                logger.info("%s: OpenAI-compatible proxy for agent sessions at %s", self.name, url)
+                self.openai_proxy = proxy
+        return self.openai_proxy
+
+    async def _proxy_generate(self, input_ids: list[int], params: dict[str, Any], n: int, rid: str) -> list:
+        from realflow.rollout.openai_proxy import UpstreamError
+
+        body = {"input_ids": list(map(int, input_ids)), "sampling_params": dict(params, n=n), "rid": rid}
+        try:
+            out = await self.controller_call("/generate", body, timeout=self.spec.request_timeout_s)
+        except ControllerError as e:
+            if 400 <= e.status < 500:
+                raise UpstreamError(e.status, str(e)) from None
+            raise
+        return [Completion(r["prompt_ids"], r["output_ids"], r["logprobs"], r["versions"], r["finish_reason"],
+                           info={"resubmits": r["resubmits"], "servers": r["servers"]}) for r in out]
 
     def _load_rows(self) -> list:
         spec = self.spec
@@ -205,8 +258,8 @@ class RolloutWorker:
                                          timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 data = await resp.json(content_type=None)
                 if resp.status >= 400:
-                    raise RuntimeError(f"rollout controller {endpoint} -> {resp.status}: "
-                                       f"{data.get('error') if isinstance(data, dict) else data}")
+                    raise ControllerError(resp.status, f"rollout controller {endpoint} -> {resp.status}: "
+                                          f"{data.get('error') if isinstance(data, dict) else data}")
                 return data
         except asyncio.TimeoutError:
             raise TimeoutError(f"rollout controller at {self.controller_url} did not answer {endpoint} "
@@ -239,6 +292,8 @@ class RolloutWorker:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.session.close()
+            if self.openai_proxy is not None:
+                await self.openai_proxy.stop()
             self.rewards.close()
             for _, s in self.socks:
                 s.close(0)
@@ -247,10 +302,16 @@ class RolloutWorker:
     async def _rollout(self, row: Any, epoch: int, index: int, version: int, sem: asyncio.Semaphore) -> None:
         sid = f"{row.id}/e{epoch}"
         seed = zlib.crc32(f"{self.spec.seed}/{sid}".encode())
-        ok, err = False, ""
+        ok, err, timed_out = False, "", False
         try:
             data = {"id": sid, "prompt_ids": list(row.prompt_ids), "answer": row.answer, **dict(row.meta)}
-            trajs = await self.agent.run(data, _Context(self, seed, sid))
+            try:
+                trajs = await asyncio.wait_for(self.agent.run(data, _Context(self, seed, sid)),
+                                               self.spec.agent_timeout_s)
+            except asyncio.TimeoutError:
+                timed_out = True
+                raise TimeoutError(f"agent {self.spec.agent!r} did not return within "
+                                   f"agent_timeout_s={self.spec.agent_timeout_s:g}s") from None
             batch = rollout_to_batch(sid, trajs, version, answer=row.answer)
             await self._push(batch.to_wire())
             ok = True
@@ -259,14 +320,17 @@ class RolloutWorker:
         except Exception as e:  # noqa: BLE001 - an agent's failure is counted, never fatal
             err = f"{type(e).__name__}: {e}"
             self.n_failed += 1
+            self.n_timed_out += timed_out
             logger.warning("%s: agent %r failed on row %s (version %d): %s\n%s", self.name, self.spec.agent,
-                           sid, version, err, traceback.format_exc(limit=4))
+                           sid, version, err, "" if timed_out else traceback.format_exc(limit=4))
         finally:
             sem.release()
+            for key in self.session_keys.pop(sid, ()):  # sessions of an agent that timed out or raised
+                self.openai_proxy.close_session(key)
         if ok:
             self.n_ok += 1
         await self.controller_call("/done", {"version": version, "ok": ok, "error": err[:500], "index": index,
-                                             "id": sid})
+                                             "id": sid, "timed_out": timed_out})
 
     async def _push(self, wire: dict) -> None:
         to, sock = self.socks[next(self._next_sock)]

@@ -95,6 +95,7 @@ class AsyncMaster(Master):
             "async/admitted": float(sum(c["admitted"].values())),
             "async/refused": float(c["refused"]),
             "async/agent_errors": float(c["agent_errors"]),
+            "async/agent_timeouts": float(c.get("agent_timeouts", 0)),
             "async/running": float(c["running"]),
             "async/failovers": float(c["failovers"]),
             "async/weight_update_s": c["round_times"][-1] if c["round_times"] else 0.0,

@@ -40,7 +40,8 @@ setup(
         "sglang": ["sglang"],
         "deepspeed": ["deepspeed"],
         "ray": ["ray>=2.60,<3"],  # launcher=ray (realflow/scheduler/ray.py); tested with 2.60.0
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6", "ray>=2.60,<3"],
+        "agents": ["openai>=2"],  # the official client, for agents behind the OpenAI-compatible proxy
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6", "ray>=2.60,<3", "openai>=2"],
     },
     entry_points={
         "console_scripts": [

@@ -43,11 +43,13 @@ def _corpus_lines(paths: Sequence[str | os.PathLike]) -> Iterator[str]:
             yield from (line.rstrip("\n") for line in f if line.strip())
 
 
-def build_tokenizer(texts: Iterable[str], vocab_size: int = 160) -> Tokenizer:
+def build_tokenizer(texts: Iterable[str], vocab_size: int = 160, extra_tokens: Sequence[str] = ()) -> Tokenizer:
     """Train the BPE model on ``texts``.
 
     The initial alphabet is all printable ASCII, so any ASCII text encodes
-    without ``<unk>`` even if the corpus never showed a character.
+    without ``<unk>`` even if the corpus never showed a character. ``extra_tokens``
+    (markup such as ``<tool_call>``) are added whole: text splits around them, so a
+    string tokenizes the same alone and inside a longer text, and decoding keeps them.
     """
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -64,6 +66,8 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 160) -> Tokenizer:
                                   special_tokens=SPECIAL_TOKENS, initial_alphabet=initial,
                                   max_token_length=8)
     tok.train_from_iterator(texts, trainer=trainer)
+    if extra_tokens:
+        tok.add_tokens(list(extra_tokens))
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
@@ -99,7 +103,7 @@ def _is_current(out: Path, params: dict) -> bool:
 
 
 def ensure_tokenizer(out_dir: str | os.PathLike, corpus_paths: Sequence[str | os.PathLike],
-                     vocab_size: int = 160) -> str:
+                     vocab_size: int = 160, extra_tokens: Sequence[str] = ()) -> str:
     """Train and save the tokenizer under ``out_dir`` unless its manifest shows it
     was already made from the same corpus bytes and settings. Returns ``out_dir``.
 
@@ -110,10 +114,11 @@ def ensure_tokenizer(out_dir: str | os.PathLike, corpus_paths: Sequence[str | os
     """
     out = Path(out_dir)
     params = {"version": TOKENIZER_VERSION, "vocab_size": vocab_size,
+              **({"extra_tokens": list(extra_tokens)} if extra_tokens else {}),
               "corpus_sha256": _fingerprint(corpus_paths)}
     if _is_current(out, params):
         return str(out)
-    tok = build_tokenizer(_corpus_lines(corpus_paths), vocab_size=vocab_size)
+    tok = build_tokenizer(_corpus_lines(corpus_paths), vocab_size=vocab_size, extra_tokens=extra_tokens)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -129,6 +129,13 @@ class OpenAIProxy:
                 kind = "invalid_request_error" if e.status < 500 else "server_error"
                 return web.json_response(APIError(e.status, f"{e.reason}: {request.method} {request.path}",
                                                   kind=kind).body(), status=e.status)
+            except Exception as e:  # noqa: BLE001 - generation failed upstream: the agent gets a 5xx
+                self.n_errors += 1
+                status = 504 if isinstance(e, TimeoutError) else 502
+                logger.warning("proxy %s %s -> %d: %s: %s", request.method, request.path, status,
+                               type(e).__name__, e)
+                return web.json_response(APIError(status, f"generation failed: {type(e).__name__}: {e}",
+                                                  kind="server_error").body(), status=status)
 
         app = web.Application(middlewares=[errors], client_max_size=self.cfg.max_body_bytes)
         app.add_routes([web.post("/v1/chat/completions", self._chat), web.post("/v1/completions", self._completion),

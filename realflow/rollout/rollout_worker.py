@@ -42,6 +42,8 @@ from realflow.comm.codec import encode
 __all__ = ["RolloutWorker", "RewardPool", "ControllerError"]
 
 logger = logging.getLogger("realflow.rollout.worker")
+for _chatty in ("httpx", "httpx2", "openai"):  # agents' OpenAI clients log every request at INFO
+    logging.getLogger(_chatty).setLevel(logging.WARNING)
 
 ADMIT_TIMEOUT_S = 30.0  # one /admit HTTP call (the controller long-polls for at most 5 s)
 PUSH_TIMEOUT_S = 300.0  # the trainer's inbox must take a trajectory within this time
@@ -291,9 +293,9 @@ class RolloutWorker:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.session.close()
-            if self.openai_proxy is not None:
+            if self.openai_proxy is not None:  # before the controller session its handlers use
                 await self.openai_proxy.stop()
+            await self.session.close()
             self.rewards.close()
             for _, s in self.socks:
                 s.close(0)

@@ -1,0 +1,181 @@
+"""A tool-using agent: multiplication with a calculator called through OpenAI tool calls.
+
+Run it (CPU: a small SFT start on generated demonstrations, then asynchronous GRPO)::
+
+    python -m realflow.apps.main_async_ppo experiment=agent-calculator --import examples.agents.calculator
+
+Products of two 2-digit numbers are beyond a tiny model's mental arithmetic,
+but copying a tool's result is not. The SFT start saw both habits: answering directly
+(``#### 9716``, usually wrong once it has to do it itself) and calling the calculator
+(``<tool_call>{"name": "calculator", ...}</tool_call>``, then copying the result). RL
+with a correct-answer reward teaches it to reach for the tool. Each completion is
+its own sample (``export=completion``); the tool call shares the final reward,
+discounted by ``turn_discount`` per turn.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import os
+import random
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from openai import AsyncOpenAI
+
+from examples.agents.math_retry import final_answer
+from experiments.async_ppo_math import AsyncGRPOMathConfig, AsyncRolloutConfig
+from experiments.ppo_math import PPOHyperConfig, RLDataConfig
+from realflow.api.agent_function import register_agent_function
+from realflow.api.experiment import OptimizerConfig, register_experiment
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression (+ - * / and parentheses).",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.USub: operator.neg}
+SFT_STEPS = 1200
+MARKUP = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+DATA_VERSION = 2
+
+
+def calculate(expression: Any) -> str:
+    """The tool: evaluates + - * / on numbers only (an AST walk; nothing is executed)."""
+    def ev(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError("only numbers and + - * / are allowed")
+    try:
+        if not isinstance(expression, str) or len(expression) > 64:
+            raise ValueError("expected a short expression string")
+        v = ev(ast.parse(expression, mode="eval").body)
+        return str(int(v)) if float(v).is_integer() else f"{v:.6g}"
+    except (ValueError, SyntaxError, ZeroDivisionError, OverflowError, RecursionError) as e:
+        return f"error: {e}"
+
+
+@register_agent_function("calculator")
+async def run_agent_return_reward(data: dict[str, Any]) -> float:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": data["prompt"]}]
+    async with AsyncOpenAI(base_url=data["base_url"], api_key=data["api_key"], max_retries=0) as client:
+        for _ in range(3):
+            reply = await client.chat.completions.create(model=data["model"], messages=messages, tools=TOOLS,
+                                                         max_tokens=40, temperature=1.0)
+            msg = reply.choices[0].message
+            if not msg.tool_calls:
+                return float(final_answer(msg.content) == str(data["answer"]).strip())
+            messages.append(msg.model_dump(exclude_none=True))
+            for call in msg.tool_calls:
+                try:
+                    expr = json.loads(call.function.arguments).get("expression")
+                except (ValueError, AttributeError):
+                    expr = None
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(expr)})
+    return 0.0
+
+
+# ---------------------------------------------------------------- generated data and the SFT start
+
+def _call_text(expr: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": expr}}) + "</tool_call>"
+
+
+def make_rows(n: int, seed: int, tool_share: float) -> tuple[list[dict], list[dict]]:
+    """(SFT rows, RL rows): ``n`` problems; a ``tool_share`` of the SFT demonstrations use the tool."""
+    rng = random.Random(seed)
+    sft, rl = [], []
+    for i in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        prompt, answer = f"{a}*{b}=", str(a * b)
+        rl.append({"id": f"calc-{seed}-{i}", "prompt": prompt, "answer": answer})
+        head = "tools: calculator\n" + prompt
+        if rng.random() < tool_share:
+            call = _call_text(f"{a}*{b}")
+            sft.append({"prompt": head, "solution": call, "answer": answer})
+            sft.append({"prompt": f"{head}{call}</s><tool_response>{answer}</tool_response>",
+                        "solution": f"#### {answer}", "answer": answer})
+        else:
+            sft.append({"prompt": head, "solution": f"#### {answer}", "answer": answer})
+    return sft, rl
+
+
+def _write(path: str, rows: list[dict]) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(tmp, path)
+
+
+@register_experiment("agent-calculator")
+@dataclass
+class CalculatorConfig(AsyncGRPOMathConfig):
+    """Asynchronous GRPO of the tool-calling ``calculator`` agent (a user package)."""
+
+    dataset: RLDataConfig = field(default_factory=lambda: RLDataConfig(task="arithmetic", n_train=4000, n_test=64))
+    ppo: PPOHyperConfig = field(default_factory=lambda: PPOHyperConfig(estimator="grpo", n_samples=4,
+                                                                       max_new_tokens=40))
+    rollout: AsyncRolloutConfig = field(default_factory=lambda: AsyncRolloutConfig(
+        agent="calculator", agent_args={"n_samples": 4, "export": "completion", "turn_discount": 0.9,
+                                        "max_tokens": 40}))
+    tool_share: float = field(default=0.5, metadata={"help": "share of SFT demonstrations that call the tool"})
+    batch_size: int = field(default=16, metadata={"help": "rollouts (prompts, each a group) per train step"})
+    max_train_steps: int = field(default=40, metadata={"help": "train steps"})
+    actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
+        lr=1e-4, weight_decay=0.0, warmup_steps_proportion=0.0, lr_scheduler_type="constant"))
+
+    _name = "agent-calculator"
+
+    def _data_dir(self) -> str:
+        return os.path.abspath(os.path.join(self.fileroot, "data", f"calculator-v{DATA_VERSION}-"
+                                            f"t{self.tool_share:g}-s{self.dataset.data_seed}"))
+
+    def _paths(self) -> tuple[str, str, str, str]:
+        actor = self.model.path or os.path.join(self.fileroot, "sft", "calculator", "checkpoints", "default",
+                                                "final")
+        d = self._data_dir()
+        return actor, self.model.tokenizer_path or actor, os.path.join(d, "rl_train.jsonl"), \
+            os.path.join(d, "rl_test.jsonl")
+
+    def planned_actor_config(self) -> Optional[dict]:
+        return None  # the SFT start's arch is this example's own (below)
+
+    def _eval_spec(self, test: str, data_args: dict[str, Any]) -> Any:
+        return None  # held-out greedy answers without the tool would not measure this agent
+
+    def prepare(self) -> None:
+        actor, _, train, test = self._paths()
+        d = self._data_dir()
+        if not os.path.isfile(train):
+            os.makedirs(d, exist_ok=True)
+            sft, rl = make_rows(self.dataset.n_train, self.dataset.data_seed, self.tool_share)
+            sft_test, rl_test = make_rows(self.dataset.n_test, self.dataset.data_seed + 1000, self.tool_share)
+            _write(os.path.join(d, "sft_train.jsonl"), sft)
+            _write(os.path.join(d, "sft_test.jsonl"), sft_test)
+            _write(test, rl_test)
+            _write(train, rl)
+        if self.model.path or os.path.isfile(os.path.join(actor, "config.json")):
+            return
+        from experiments.tasks.tokenizer import ensure_tokenizer
+
+        # the tool markup as whole tokens (as in Qwen's vocabulary): a turn reads the same whether
+        # the model generated it or the chat template wrote it
+        tok = ensure_tokenizer(os.path.join(d, "tokenizer"), [os.path.join(d, "sft_train.jsonl")],
+                               extra_tokens=MARKUP)
+        cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={self.fileroot}", "trial_name=calculator",
+               f"model.tokenizer_path={tok}",
+               f"dataset.train_path={os.path.join(d, 'sft_train.jsonl')}",
+               f"dataset.test_path={os.path.join(d, 'sft_test.jsonl')}", "model.arch.hidden_size=64",
+               "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=128", "batch_size=32",
+               f"max_train_steps={SFT_STEPS}", "optimizer.lr=3e-3", "eval_max_new_tokens=40", "total_train_epochs=10",
+               "dataset.max_prompt_len=120",
+               f"n_workers={self.n_workers}"]
+        print(f"no SFT start at {actor}: {' '.join(cmd[1:])}", flush=True)
+        if subprocess.run(cmd, timeout=1800).returncode != 0 or not os.path.isfile(os.path.join(actor, "config.json")):
+            raise RuntimeError(f"the calculator SFT run producing {actor} failed; see its output above")

@@ -38,8 +38,12 @@ TOOLS = [{"type": "function", "function": {
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.USub: operator.neg}
 SFT_STEPS = 1200
-MARKUP = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-DATA_VERSION = 2
+# Tool markup as whole tokens, as in Qwen's vocabulary (a turn then reads the same whether the
+# model generated it or the chat template wrote it), and -- a concession to a 64-wide model that
+# has seen no JSON before -- the call's fixed JSON around the expression as one token each.
+MARKUP = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+          '{"name": "calculator", "arguments": {"expression": "', '"}}')
+DATA_VERSION = 3
 
 
 def calculate(expression: Any) -> str:
@@ -164,8 +168,6 @@ class CalculatorConfig(AsyncGRPOMathConfig):
             return
         from experiments.tasks.tokenizer import ensure_tokenizer
 
-        # the tool markup as whole tokens (as in Qwen's vocabulary): a turn reads the same whether
-        # the model generated it or the chat template wrote it
         tok = ensure_tokenizer(os.path.join(d, "tokenizer"), [os.path.join(d, "sft_train.jsonl")],
                                extra_tokens=MARKUP)
         cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={self.fileroot}", "trial_name=calculator",

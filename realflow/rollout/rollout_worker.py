@@ -307,13 +307,19 @@ class RolloutWorker:
         ok, err, timed_out = False, "", False
         try:
             data = {"id": sid, "prompt_ids": list(row.prompt_ids), "answer": row.answer, **dict(row.meta)}
+            # not wait_for: an agent's own TimeoutError (a RewardTimeout) must not read as its timeout
+            task = asyncio.ensure_future(self.agent.run(data, _Context(self, seed, sid)))
             try:
-                trajs = await asyncio.wait_for(self.agent.run(data, _Context(self, seed, sid)),
-                                               self.spec.agent_timeout_s)
-            except asyncio.TimeoutError:
+                done, _ = await asyncio.wait({task}, timeout=self.spec.agent_timeout_s)
+            finally:
+                if not task.done():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+            if not done:
                 timed_out = True
                 raise TimeoutError(f"agent {self.spec.agent!r} did not return within "
-                                   f"agent_timeout_s={self.spec.agent_timeout_s:g}s") from None
+                                   f"agent_timeout_s={self.spec.agent_timeout_s:g}s")
+            trajs = task.result()
             batch = rollout_to_batch(sid, trajs, version, answer=row.answer)
             await self._push(batch.to_wire())
             ok = True

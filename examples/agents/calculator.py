@@ -37,7 +37,7 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.USub: operator.neg}
-SFT_STEPS = 1200
+SFT_STEPS = 2500
 # Tool markup as whole tokens, as in Qwen's vocabulary (a turn then reads the same whether the
 # model generated it or the chat template wrote it), and -- a concession to a 64-wide model that
 # has seen no JSON before -- the call's fixed JSON around the expression as one token each.
@@ -175,7 +175,7 @@ class CalculatorConfig(AsyncGRPOMathConfig):
                f"dataset.train_path={os.path.join(d, 'sft_train.jsonl')}",
                f"dataset.test_path={os.path.join(d, 'sft_test.jsonl')}", "model.arch.hidden_size=64",
                "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=128", "batch_size=32",
-               f"max_train_steps={SFT_STEPS}", "optimizer.lr=3e-3", "eval_max_new_tokens=40", "total_train_epochs=10",
+               f"max_train_steps={SFT_STEPS}", "optimizer.lr=3e-3", "eval_max_new_tokens=40", "total_train_epochs=20",
                "dataset.max_prompt_len=120",
                f"n_workers={self.n_workers}"]
         print(f"no SFT start at {actor}: {' '.join(cmd[1:])}", flush=True)

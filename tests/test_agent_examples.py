@@ -38,18 +38,19 @@ def test_multi_turn_agent_trains_conversations_and_stuck_agents_time_out(tmp_pat
     res = subprocess.run(sft, cwd=REPO, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     res = _run(tmp_path, "experiment=agent-math-retry", "--import", "examples.agents.math_retry", "--import",
-               "stuck_agent", "rollout.agent=stuck_sometimes", "rollout.agent_timeout_s=4", "max_train_steps=4",
+               "stuck_agent", "rollout.agent=stuck_sometimes", "rollout.agent_timeout_s=6",
+               "max_train_steps=6", "rollout.max_concurrent_rollouts=24",
                "batch_size=8", "dataset.n_train=2000", "dataset.n_test=8", "eval_n_samples=1",
                "dataset.difficulty=1", "trial_name=stuck")
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = tmp_path / "agent-math-retry" / "stuck"
     rows = _rows(run_dir)
-    assert len(rows) == 4 and rows[-1]["async/agent_timeouts"] > 0
+    assert len(rows) == 6 and rows[-1]["async/agent_timeouts"] > 0
     assert rows[-1]["async/agent_errors"] == rows[-1]["async/agent_timeouts"]  # nothing else failed
     # on-policy first step: the recorded behaviour log-probs are the trainer's own, token for token
     assert rows[0]["actor_train/gen_train_kl"] < 1e-6
     log = (run_dir / "logs" / "rollout_worker" / "0.log").read_text()
-    assert "did not return within agent_timeout_s=4s" in log
+    assert "did not return within agent_timeout_s=6s" in log
     assert "Traceback" not in log
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines() if x.strip()]
-    assert sum(len(s.get("ids", s.get("sample_ids", []))) for s in samples) >= 4 * 8
+    assert sum(len(s.get("ids", s.get("sample_ids", []))) for s in samples) >= 6 * 8

@@ -24,12 +24,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from openai import AsyncOpenAI
-
 from examples.agents.math_retry import final_answer
 from experiments.async_ppo_math import AsyncGRPOMathConfig, AsyncRolloutConfig
 from experiments.ppo_math import PPOHyperConfig, RLDataConfig
-from realflow.api.agent_function import register_agent_function
+from realflow.api.agent_function import openai_client, register_agent_function
 from realflow.api.experiment import OptimizerConfig, register_experiment
 
 TOOLS = [{"type": "function", "function": {
@@ -68,20 +66,20 @@ def calculate(expression: Any) -> str:
 @register_agent_function("calculator")
 async def run_agent_return_reward(data: dict[str, Any]) -> float:
     messages: list[dict[str, Any]] = [{"role": "user", "content": data["prompt"]}]
-    async with AsyncOpenAI(base_url=data["base_url"], api_key=data["api_key"], max_retries=0) as client:
-        for _ in range(3):
-            reply = await client.chat.completions.create(model=data["model"], messages=messages, tools=TOOLS,
-                                                         max_tokens=40, temperature=1.0)
-            msg = reply.choices[0].message
-            if not msg.tool_calls:
-                return float(final_answer(msg.content) == str(data["answer"]).strip())
-            messages.append(msg.model_dump(exclude_none=True))
-            for call in msg.tool_calls:
-                try:
-                    expr = json.loads(call.function.arguments).get("expression")
-                except (ValueError, AttributeError):
-                    expr = None
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(expr)})
+    client = openai_client(data)
+    for _ in range(3):
+        reply = await client.chat.completions.create(model=data["model"], messages=messages, tools=TOOLS,
+                                                     max_tokens=40, temperature=1.0)
+        msg = reply.choices[0].message
+        if not msg.tool_calls:
+            return float(final_answer(msg.content) == str(data["answer"]).strip())
+        messages.append(msg.model_dump(exclude_none=True))
+        for call in msg.tool_calls:
+            try:
+                expr = json.loads(call.function.arguments).get("expression")
+            except (ValueError, AttributeError):
+                expr = None
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculate(expr)})
     return 0.0
 
 

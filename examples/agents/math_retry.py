@@ -15,11 +15,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from openai import AsyncOpenAI
-
 from experiments.async_ppo_math import AsyncGRPOMathConfig, AsyncRolloutConfig
 from experiments.ppo_math import PPOHyperConfig, RLDataConfig
-from realflow.api.agent_function import register_agent_function
+from realflow.api.agent_function import openai_client, register_agent_function
 from realflow.api.experiment import register_experiment
 
 FEEDBACK = "wrong, try again: "
@@ -36,15 +34,15 @@ def final_answer(text: str | None) -> str | None:
 @register_agent_function("math_retry")
 async def run_agent_return_reward(data: dict[str, Any]) -> float:
     messages = [{"role": "user", "content": data["prompt"]}]
-    async with AsyncOpenAI(base_url=data["base_url"], api_key=data["api_key"], max_retries=0) as client:
-        for turn in range(MAX_TURNS):
-            reply = await client.chat.completions.create(model=data["model"], messages=messages, max_tokens=16,
-                                                         temperature=1.0)
-            content = reply.choices[0].message.content
-            if final_answer(content) == str(data["answer"]).strip():
-                return RETRY_CREDIT ** turn  # 1 on the first try
-            messages += [{"role": "assistant", "content": content},
-                         {"role": "user", "content": FEEDBACK + data["prompt"]}]
+    client = openai_client(data)  # an AsyncOpenAI for this session (one connection pool per process)
+    for turn in range(MAX_TURNS):
+        reply = await client.chat.completions.create(model=data["model"], messages=messages, max_tokens=16,
+                                                     temperature=1.0)
+        content = reply.choices[0].message.content
+        if final_answer(content) == str(data["answer"]).strip():
+            return RETRY_CREDIT ** turn  # 1 on the first try
+        messages += [{"role": "assistant", "content": content},
+                     {"role": "user", "content": FEEDBACK + data["prompt"]}]
     return 0.0
 
 

@@ -2,12 +2,11 @@
 
 A user module (loaded with ``--import``) defines::
 
-    from openai import AsyncOpenAI
-    from realflow.api.agent_function import register_agent_function
+    from realflow.api.agent_function import openai_client, register_agent_function
 
     @register_agent_function("my_agent")
     async def run_agent_return_reward(data: dict) -> float:
-        client = AsyncOpenAI(base_url=data["base_url"], api_key=data["api_key"])
+        client = openai_client(data)  # or AsyncOpenAI(base_url=data["base_url"], api_key=data["api_key"])
         r = await client.chat.completions.create(model=data["model"], messages=[...])
         return score(r.choices[0].message.content, data["answer"])
 
@@ -36,7 +35,7 @@ from realflow.api.agent import Agent, AgentContext, agent_registry
 from realflow.api.agent_session import ExportConfig, session_trajectories
 from realflow.api.rollout import RolloutError, Trajectory
 
-__all__ = ["register_agent_function", "FunctionAgent", "set_reward", "AgentFunction"]
+__all__ = ["register_agent_function", "FunctionAgent", "set_reward", "AgentFunction", "openai_client"]
 
 AgentFunction = Callable[[dict], Awaitable[Optional[float]]]
 _PROXY_KEYS = ("model_name", "max_tokens", "chat_template", "max_n", "max_completions_per_session")
@@ -98,6 +97,27 @@ def register_agent_function(name: str, fn: Optional[AgentFunction] = None) -> An
         return f
 
     return reg if fn is None else reg(fn)
+
+
+_shared: dict[str, Any] = {}
+
+
+def openai_client(data: dict, **options: Any) -> Any:
+    """An ``openai.AsyncOpenAI`` bound to this session (its ``base_url`` and key).
+
+    Why not ``AsyncOpenAI(...)`` per session: building a client costs ~50 ms of CPU (an SSL
+    context, a connection pool); a worker running hundreds of sessions spends seconds of its
+    event loop on that alone, and agents start timing out. These clients share one client's
+    connection pool (``with_options``), so a session's client costs microseconds. Do not
+    close it; ``options`` go to ``with_options`` (``timeout=``, ...).
+    """
+    import openai
+
+    base = _shared.get("client")
+    if base is None:
+        base = _shared["client"] = openai.AsyncOpenAI(base_url=data["base_url"], api_key=data["api_key"],
+                                                      max_retries=0)
+    return base.with_options(base_url=data["base_url"], api_key=data["api_key"], **options)
 
 
 async def set_reward(data: dict, completion_id: str, reward: float, choice: Optional[int] = None,

@@ -19,6 +19,7 @@ resumed under new weights, and a client must only ever see tokens that stay.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -71,6 +72,7 @@ class ProxySession:
     records: list[RecordedCompletion] = field(default_factory=list)
     turns: list[Any] = field(default_factory=list)  # chat_tokens._Turn per chat completion choice
     calls: int = 0
+    inflight: set = field(default_factory=set)  # generation tasks, cancelled when the session ends
 
 
 class OpenAIProxy:
@@ -109,7 +111,11 @@ class OpenAIProxy:
     def close_session(self, key: str) -> list[RecordedCompletion]:
         """End a session (its key stops working) and return what it recorded."""
         s = self.sessions.pop(key, None)
-        return [] if s is None else s.records
+        if s is None:
+            return []
+        for t in list(s.inflight):  # an agent timed out or failed: its requests are not waited for
+            t.cancel()
+        return s.records
 
     # ------------------------------------------------------------ HTTP
 
@@ -202,10 +208,21 @@ class OpenAIProxy:
                                 f"{self.cfg.max_completions_per_session}", code="session_limit")
         params = self._sampling(s, req, len(prompt_ids))
         rid = f"{kind}-{uuid.uuid4().hex[:20]}"
+        task = asyncio.ensure_future(self.generate(prompt_ids, params, req.n, rid))
+        s.inflight.add(task)
         try:
-            outs = await self.generate(prompt_ids, params, req.n, rid)
+            outs = await task
         except UpstreamError as e:
             raise APIError(e.status, str(e), code="upstream_rejected") from None
+        except asyncio.CancelledError:
+            if s.key not in self.sessions:  # cancelled by close_session, not by the handler's end
+                raise APIError(409, "the agent session ended while this completion was running",
+                               code="session_closed") from None
+            raise
+        finally:
+            s.inflight.discard(task)
+        if s.key not in self.sessions:
+            raise APIError(409, "the agent session ended while this completion was running", code="session_closed")
         recs = []
         for i, c in enumerate(outs):
             recs.append(RecordedCompletion(id=rid, choice=i, order=len(s.records), prompt_ids=list(c.prompt_ids),

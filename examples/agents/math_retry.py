@@ -1,6 +1,7 @@
 """A multi-turn math agent: it answers, hears "wrong, try again" and answers again.
 
-Run it (the CPU default: the arithmetic SFT start, then asynchronous GRPO)::
+Run it (the CPU default: the arithmetic SFT start, then 60 steps of asynchronous GRPO on
+one-digit problems, where the start is right about half the time)::
 
     python -m realflow.apps.main_async_ppo experiment=agent-math-retry --import examples.agents.math_retry
 
@@ -18,7 +19,7 @@ from typing import Any
 from experiments.async_ppo_math import AsyncGRPOMathConfig, AsyncRolloutConfig
 from experiments.ppo_math import PPOHyperConfig, RLDataConfig
 from realflow.api.agent_function import openai_client, register_agent_function
-from realflow.api.experiment import register_experiment
+from realflow.api.experiment import OptimizerConfig, register_experiment
 
 FEEDBACK = "wrong, try again: "
 MAX_TURNS = 2
@@ -51,12 +52,15 @@ async def run_agent_return_reward(data: dict[str, Any]) -> float:
 class MathRetryConfig(AsyncGRPOMathConfig):
     """Asynchronous GRPO of the multi-turn ``math_retry`` agent on arithmetic (a user package)."""
 
-    dataset: RLDataConfig = field(default_factory=lambda: RLDataConfig(task="arithmetic"))
+    dataset: RLDataConfig = field(default_factory=lambda: RLDataConfig(task="arithmetic", difficulty=1,
+                                                                       n_train=8000, n_test=64))
     ppo: PPOHyperConfig = field(default_factory=lambda: PPOHyperConfig(estimator="grpo", n_samples=4,
                                                                        max_new_tokens=16))
     rollout: AsyncRolloutConfig = field(default_factory=lambda: AsyncRolloutConfig(
         agent="math_retry", agent_args={"n_samples": 4, "export": "conversation", "max_tokens": 16}))
     batch_size: int = field(default=16, metadata={"help": "rollouts (prompts, each a group) per train step"})
-    max_train_steps: int = field(default=40, metadata={"help": "train steps"})
+    max_train_steps: int = field(default=60, metadata={"help": "train steps"})
+    actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
+        lr=1e-4, weight_decay=0.0, warmup_steps_proportion=0.0, lr_scheduler_type="constant"))
 
     _name = "agent-math-retry"

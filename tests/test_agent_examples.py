@@ -9,27 +9,17 @@ in another at this model size; see the README.)
 """
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 
 import pytest
+from test_system_async_ppo import REPO, _rows, _run
 
 pytest.importorskip("openai")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PLUGINS = os.path.join(REPO, "tests", "plugins")
 
 
-def _run(fileroot, *args, timeout=600):
-    cmd = [sys.executable, "-m", "realflow.apps.main_async_ppo", f"fileroot={fileroot}", *args]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, PLUGINS, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-def _rows(run_dir):
-    with open(os.path.join(run_dir, "stats.jsonl")) as f:
-        return [r for r in map(json.loads, filter(str.strip, f)) if "actor_train/reward" in r]
+def _run_async(fileroot, *args):
+    return _run(["realflow.apps.main_async_ppo"], fileroot, *args)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +36,7 @@ def fileroot(tmp_path_factory):
 
 @pytest.mark.timeout(600)
 def test_multi_turn_agent_trains_conversations_and_stuck_agents_time_out(fileroot):
-    res = _run(fileroot, "experiment=agent-math-retry", "--import", "examples.agents.math_retry", "--import",
+    res = _run_async(fileroot, "experiment=agent-math-retry", "--import", "examples.agents.math_retry", "--import",
                "stuck_agent", "rollout.agent=stuck_sometimes", "rollout.agent_timeout_s=6",
                "max_train_steps=6", "rollout.max_concurrent_rollouts=24",
                "batch_size=8", "dataset.n_test=8", "eval_n_samples=1", "trial_name=stuck")

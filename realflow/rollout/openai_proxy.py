@@ -341,6 +341,14 @@ class OpenAIProxy:
             out.append(text[len(shown):] if text.startswith(shown) else text)
         return [p for p in out if p]
 
+    async def _end_stream(self, resp: web.StreamResponse, head: dict, recs: Sequence[RecordedCompletion],
+                          usage: bool) -> web.StreamResponse:
+        if usage:
+            await self._send(resp, {**head, "choices": [], "usage": self._usage(recs)})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
     async def _stream_chat(self, request: web.Request, rid: str, created: int, choices: list[dict],
                            recs: Sequence[RecordedCompletion], usage: bool) -> web.StreamResponse:
         resp = await self._sse(request)
@@ -358,11 +366,7 @@ class OpenAIProxy:
                     {"index": k, **tc}]}, "finish_reason": None}]})
             await self._send(resp, {**head, "choices": [{"index": i, "delta": {}, "finish_reason": ch["finish_reason"],
                                                          "logprobs": ch["logprobs"]}]})
-        if usage:
-            await self._send(resp, {**head, "choices": [], "usage": self._usage(recs)})
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        return await self._end_stream(resp, head, recs, usage)
 
     async def _stream_text(self, request: web.Request, rid: str, created: int, choices: list[dict],
                            recs: Sequence[RecordedCompletion], usage: bool) -> web.StreamResponse:
@@ -375,8 +379,4 @@ class OpenAIProxy:
             await self._send(resp, {**head, "choices": [{"index": ch["index"], "text": "",
                                                          "finish_reason": ch["finish_reason"],
                                                          "logprobs": ch["logprobs"]}]})
-        if usage:
-            await self._send(resp, {**head, "choices": [], "usage": self._usage(recs)})
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        return await self._end_stream(resp, head, recs, usage)

@@ -188,7 +188,7 @@ class OpenAIProxy:
 
     # ------------------------------------------------------------ generation
 
-    def _sampling(self, s: ProxySession, req: Any, prompt_len: int) -> dict[str, Any]:
+    def _sampling(self, s: ProxySession, req: Any) -> dict[str, Any]:
         limit = self.cfg.max_tokens
         if req.max_tokens is not None and req.max_tokens > limit:
             raise APIError(400, f"Invalid value for 'max_tokens': {req.max_tokens} is over this proxy's limit "
@@ -206,7 +206,7 @@ class OpenAIProxy:
         if len(s.records) + req.n > self.cfg.max_completions_per_session:
             raise APIError(429, f"this session reached max_completions_per_session="
                                 f"{self.cfg.max_completions_per_session}", code="session_limit")
-        params = self._sampling(s, req, len(prompt_ids))
+        params = self._sampling(s, req)
         rid = f"{kind}-{uuid.uuid4().hex[:20]}"
         task = asyncio.ensure_future(self.generate(prompt_ids, params, req.n, rid))
         s.inflight.add(task)
@@ -215,13 +215,12 @@ class OpenAIProxy:
         except UpstreamError as e:
             raise APIError(e.status, str(e), code="upstream_rejected") from None
         except asyncio.CancelledError:
-            if s.key not in self.sessions:  # cancelled by close_session, not by the handler's end
-                raise APIError(409, "the agent session ended while this completion was running",
-                               code="session_closed") from None
-            raise
+            if s.key in self.sessions:  # the handler itself was cancelled, not the session closed
+                raise
+            outs = None
         finally:
             s.inflight.discard(task)
-        if s.key not in self.sessions:
+        if outs is None or s.key not in self.sessions:
             raise APIError(409, "the agent session ended while this completion was running", code="session_closed")
         recs = []
         for i, c in enumerate(outs):

@@ -21,6 +21,9 @@ class PromptLedger:
         self.open: dict[int, Optional[str]] = {}  # handed out, not trained -> its sample id once finished
         self._index_of: dict[str, int] = {}
         self.failed = int(failed)  # rollouts whose agent failed: dropped, never handed out again
+        # A rollout worker pushes a trajectory to a trainer before it reports /done, so a fast
+        # trainer can report it trained first: such ids wait here for their /done.
+        self._trained_before_done: set[str] = set()
 
     def hand_out(self) -> int:
         index = self.redo.popleft() if self.redo else self._take_next()
@@ -35,7 +38,10 @@ class PromptLedger:
         """Rollout ``index`` reached a trainer as ``sample_id`` (``ok``) or failed (dropped for good)."""
         if index not in self.open:
             raise ValueError(f"/done for prompt {index}: it was not handed out (or already finished)")
-        if ok:
+        if ok and sample_id in self._trained_before_done:
+            self._trained_before_done.discard(sample_id)
+            del self.open[index]
+        elif ok:
             self.open[index] = sample_id
             self._index_of[sample_id] = index
         else:
@@ -47,6 +53,8 @@ class PromptLedger:
             index = self._index_of.pop(sid, None)
             if index is not None:
                 self.open.pop(index, None)
+            else:
+                self._trained_before_done.add(sid)
 
     def state(self) -> dict[str, Any]:
         """The data position for a recover point: the next number and the untrained ones.

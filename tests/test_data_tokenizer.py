@@ -82,3 +82,19 @@ def test_bad_corpus_line_is_named(tmp_path):
     bad.write_text('{"prompt": "1+1="}\n{oops\n')
     with pytest.raises(DataRowError, match=r"c\.jsonl:2: invalid JSON"):
         ensure_tokenizer(tmp_path / "t", [bad])
+
+
+def test_a_checkpoint_loads_the_tokenizer_it_was_saved_with(tok_dir, tmp_path):
+    """Next to a qwen2 config.json, AutoTokenizer (transformers 5) would build a Qwen2Tokenizer,
+    whose pre-tokenizer splits some text differently: every stage loads the declared class."""
+    import shutil
+
+    from realflow.base.tokenizer_loading import load_tokenizer
+
+    ck = tmp_path / "checkpoint"
+    shutil.copytree(tok_dir, ck)
+    (ck / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    plain, in_checkpoint = AutoTokenizer.from_pretrained(tok_dir), load_tokenizer(ck)
+    assert type(in_checkpoint).__name__ != "Qwen2Tokenizer"
+    for text in ["What is 12+7? Answer: 19", "Hello, World! 3.14 \\boxed{-7}\n  #### 42\tend", "a  b   c"]:
+        assert in_checkpoint(text)["input_ids"] == plain(text)["input_ids"], text

@@ -152,12 +152,14 @@ def evaluate(model, tok, test: PromptAnswerDataset, max_new_tokens: int = 16, ch
 def save_and_check(model, tok, test: PromptAnswerDataset, path: str, acc: float, max_new_tokens: int) -> None:
     """Save model + tokenizer as a Hugging Face checkpoint, reload both with the
     Auto* classes and require the same greedy accuracy (what later stages rely on)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from realflow.base.tokenizer_loading import load_tokenizer
 
     model.save_pretrained(path)
     tok.save_pretrained(path)
     reloaded = AutoModelForCausalLM.from_pretrained(path)
-    acc2 = evaluate(reloaded, AutoTokenizer.from_pretrained(path), test, max_new_tokens)["acc"]
+    acc2 = evaluate(reloaded, load_tokenizer(path), test, max_new_tokens)["acc"]
     print(f"saved {path}: reloaded accuracy {acc2:.3f} (in memory {acc:.3f})", flush=True)
     if abs(acc2 - acc) > 1e-9:
         raise RuntimeError(f"reloaded checkpoint {path} scores {acc2}, expected {acc}")

@@ -570,6 +570,6 @@ def _try_tokenizer(path: str) -> Any:
 
     if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
+    from realflow.base.tokenizer_loading import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)

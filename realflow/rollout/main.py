@@ -151,8 +151,7 @@ def run_controller(setup: ExperimentSetup, secret: bytes) -> int:
 
 
 def run_rollout_worker(setup: ExperimentSetup, index: int, secret: bytes, imports: list[str]) -> int:
-    from transformers import AutoTokenizer
-
+    from realflow.base.tokenizer_loading import load_tokenizer
     from realflow.comm.heartbeat import Heartbeater
     from realflow.rollout.rollout_worker import RolloutWorker
 
@@ -164,7 +163,7 @@ def run_rollout_worker(setup: ExperimentSetup, index: int, secret: bytes, import
     inboxes = {w: resolver.wait(names.trajectory_inbox_address(exp, trial, w), timeout=setup.setup_timeout_s)
                for w in range(setup.n_workers)}
     hb = resolver.wait(names.heartbeat_address(exp, trial), timeout=setup.setup_timeout_s)
-    tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
+    tokenizer = load_tokenizer(spec.tokenizer_path)
     name = names.rollout_worker_name(index)
     beat = Heartbeater(name, hb, secret, setup.heartbeat_interval_s).start()
     try:

@@ -368,6 +368,6 @@ class ModelWorker:
 
 
 def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from realflow.base.tokenizer_loading import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)

@@ -21,7 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from experiments.ppo_math import PPOHyperConfig, RLDataConfig, RLModelConfig, _RLBase
+from experiments.ppo_math import (EVAL_REWARD_HELP, REWARD_ARGS_HELP, PPOHyperConfig, RLDataConfig, RLModelConfig,
+                                  _RLBase)
 
 from graphs.async_ppo import AsyncPPOGraphConfig
 from graphs.ppo import ACTOR, REF
@@ -52,8 +53,8 @@ class AsyncRolloutConfig:
     max_concurrent_rollouts: int = field(default=64, metadata={"help": "rollouts in flight per rollout worker"})
     agent: str = field(default="math", metadata={"help": "registered agent (realflow.api.agent registry)"})
     agent_args: dict[str, Any] = field(default_factory=dict, metadata={
-        "help": "extra agent arguments (JSON); the math agent also gets n_samples, max_new_tokens, temperature "
-                "and reward from the ppo/reward fields"})
+        "help": "extra agent arguments (JSON); the math agent also gets n_samples, max_new_tokens, temperature, "
+                "reward and reward_args from the ppo/reward fields"})
     reward_timeout_s: float = field(default=10.0, metadata={"help": "per reward call, in the reward process pool"})
     reward_processes: int = field(default=1, metadata={"help": "reward process pool size per rollout worker"})
     agent_timeout_s: float = field(default=600.0, metadata={
@@ -133,7 +134,8 @@ class _AsyncBase(_RLBase):
         agent_args = dict(r.agent_args)
         if r.agent == "math":
             agent_args = {"n_samples": h.n_samples, "max_new_tokens": h.max_new_tokens,
-                          "temperature": h.temperature, "reward": self.reward, **agent_args}
+                          "temperature": h.temperature, "reward": self.reward,
+                          "reward_args": dict(self.reward_args), **agent_args}
         try:
             spec = RolloutSpec(
                 model_path=actor, tokenizer_path=tok, dataset_path=train, dataset_format=self.dataset.format,
@@ -185,6 +187,8 @@ class AsyncGRPOMathConfig(_AsyncBase):
     behav_imp_weight_cap: Optional[float] = field(default=5.0, metadata={
         "help": "decoupled PPO: cap on pi_prox / pi_behav per token (None = no cap)"})
     reward: str = field(default="arithmetic", metadata={"help": "reward function (reward registry)"})
+    reward_args: dict[str, Any] = field(default_factory=dict, metadata={"help": REWARD_ARGS_HELP})
+    eval_reward: str = field(default="", metadata={"help": EVAL_REWARD_HELP})
     batch_size: int = field(default=32, metadata={"help": "rollouts (prompts, each a group) per train step"})
     max_tokens_per_mb: int = field(default=8192, metadata={"help": "micro-batch token budget per worker"})
     total_train_epochs: int = field(default=1, metadata={"help": "(unused: the data is a stream)"})

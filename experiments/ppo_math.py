@@ -24,6 +24,9 @@ from realflow.api.experiment import (BaseExperimentConfig, DatasetSpec, EvalSpec
                                      OptimizerConfig, register_experiment)
 
 SFT_TIMEOUT_S = 1800
+REWARD_ARGS_HELP = 'keyword arguments of the reward (JSON), e.g. {"wall_s": 2} for code-tests'
+EVAL_REWARD_HELP = ("reward scoring held-out responses ('' = the task's check: final-answer exact match, "
+                    "code-tests for code_expr)")
 
 
 @dataclass
@@ -40,7 +43,7 @@ class RLDataConfig:
     n_train: int = field(default=32_000, metadata={"help": "generated RL prompts (the default run: one pass)"})
     n_test: int = field(default=500, metadata={"help": "generated held-out prompts"})
     task: str = field(default="arithmetic", metadata={
-        "help": "generated task: arithmetic | worked_arithmetic (experiments/tasks/registry.py)"})
+        "help": "generated task: arithmetic | worked_arithmetic | code_expr (experiments/tasks/registry.py)"})
     difficulty: Optional[int] = field(default=None, metadata={
         "help": "max operand digits (None = the task's default, which its SFT start used)"})
     data_seed: int = field(default=1, metadata={"help": "seed of the generated prompts (the SFT default used 0)"})
@@ -122,6 +125,14 @@ class _RLBase(BaseExperimentConfig):
         d = self.dataset.difficulty
         return get_task(self.dataset.task).difficulty if d is None else d
 
+    def _sft_args(self) -> list[str]:
+        """The overrides of the SFT run that makes this task's start (``prepare`` adds n_workers)."""
+        task = get_task(self.dataset.task)
+        args = [f"fileroot={self.fileroot}", *task.sft_args, f"trial_name={task.sft_trial}"]
+        if self.dataset.difficulty is not None:
+            args.append(f"dataset.difficulty={self.dataset.difficulty}")
+        return args
+
     def _paths(self) -> tuple[str, str, str, str]:
         """(actor checkpoint, tokenizer, train jsonl, test jsonl)."""
         actor = self.model.path or os.path.join(self._sft_dir(), "checkpoints", "default", "final")
@@ -140,13 +151,10 @@ class _RLBase(BaseExperimentConfig):
             task.ensure_dataset(os.path.dirname(train), d.n_train, d.n_test, d.data_seed, self._difficulty())
         if self.model.path or os.path.isfile(os.path.join(actor, "config.json")):
             return
-        sft_args = [*task.sft_args, f"trial_name={task.sft_trial}"]
-        if d.difficulty is not None:
-            sft_args.append(f"dataset.difficulty={d.difficulty}")
+        sft_args = self._sft_args()
         print(f"no SFT checkpoint at {actor}: running SFT first (python -m realflow.apps.main_sft "
-              f"{' '.join(sft_args)})", flush=True)
-        cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={self.fileroot}",
-               f"n_workers={self.n_workers}", *sft_args]
+              f"{' '.join(sft_args[1:])})", flush=True)
+        cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"n_workers={self.n_workers}", *sft_args]
         try:
             res = subprocess.run(cmd, timeout=SFT_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -190,7 +198,7 @@ class _RLBase(BaseExperimentConfig):
                         "eval_max_new_tokens": h.max_new_tokens},
             critic_args={"ppo_epochs": h.ppo_epochs, "n_minibatches": h.n_minibatches,
                          "value_eps_clip": h.value_eps_clip, "seed": self.seed, "adv": adv},
-            reward_args={"reward": self.reward},
+            reward_args={"reward": self.reward, "reward_args": dict(self.reward_args)},
         )
         mfcs = graph_registry.get(self._graph)(gcfg)
         models = {
@@ -215,14 +223,27 @@ class _RLBase(BaseExperimentConfig):
             **self.runtime_fields(),
         )
 
+    def _eval_reward(self) -> tuple[str, dict[str, Any]]:
+        """(reward, args) that score held-out responses: ``eval_reward``, else the task's check
+        ("" = final-answer exact match; ``code-tests`` for code_expr, whose programs an answer
+        match would score 0). The training ``reward_args`` apply when it is the training reward."""
+        from realflow.api.reward import REWARD_FUNCTIONS
+
+        name = self.eval_reward or get_task(self.dataset.task).eval_reward
+        if name:
+            REWARD_FUNCTIONS.get(name)  # an unknown reward fails here, naming the close ones
+        return name, dict(self.reward_args) if name == self.reward else {}
+
     def _eval_spec(self, test: str, data_args: dict[str, Any]) -> EvalSpec:
-        """Held-out greedy accuracy and pass@1 of the actor (``eval_n_samples`` seeded samples per prompt)."""
+        """Held-out greedy accuracy and pass@1 of the actor (``eval_n_samples`` seeded samples per prompt),
+        scored as :meth:`_eval_reward` says."""
         h = self.ppo
+        reward, reward_args = self._eval_reward()
         return EvalSpec(role=ACTOR, dataset=DatasetSpec(format=self.dataset.format, path=test, args=data_args),
                         interface_impl="ppo_actor",
                         interface_args={"eval_max_new_tokens": h.max_new_tokens, "eval_n_samples": self.eval_n_samples,
                                         "max_new_tokens": h.max_new_tokens, "temperature": h.temperature,
-                                        "seed": self.seed},
+                                        "seed": self.seed, "eval_reward": reward, "eval_reward_args": reward_args},
                         freq_steps=self.eval_freq_steps)
 
     def _default_allocation(self) -> str:
@@ -251,6 +272,8 @@ def _rl_fields(name: str, cls_name: str, graph: str, lr: float, steps: int, batc
         critic_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
             lr=1e-3, weight_decay=0.0, warmup_steps_proportion=0.0, lr_scheduler_type="constant"))
         reward: str = field(default="arithmetic", metadata={"help": "reward function (mfc.reward registry)"})
+        reward_args: dict[str, Any] = field(default_factory=dict, metadata={"help": REWARD_ARGS_HELP})
+        eval_reward: str = field(default="", metadata={"help": EVAL_REWARD_HELP})
         batch_size: int = field(default=batch, metadata={"help": "prompts per step (global)"})
         max_tokens_per_mb: int = field(default=8192, metadata={"help": "micro-batch token budget per worker"})
         total_train_epochs: int = field(default=1, metadata={"help": "passes over the prompts"})

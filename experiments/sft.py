@@ -40,7 +40,7 @@ class SFTDataConfig:
     n_train: int = field(default=50_000, metadata={"help": "generated training problems"})
     n_test: int = field(default=200, metadata={"help": "generated held-out problems"})
     task: str = field(default="arithmetic", metadata={
-        "help": "generated task: arithmetic | worked_arithmetic (experiments/tasks/registry.py)"})
+        "help": "generated task: arithmetic | worked_arithmetic | code_expr (experiments/tasks/registry.py)"})
     difficulty: Optional[int] = field(default=None, metadata={
         "help": "max operand digits of generated problems (None = the task's default)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the generated data"})
@@ -141,7 +141,9 @@ class SFTConfig(BaseExperimentConfig):
                 role="default",
                 dataset=DatasetSpec(format="prompt_answer", path=test, args={"max_prompt_len": self.dataset.max_prompt_len}),
                 interface_impl="sft",
-                interface_args={"eval_max_new_tokens": self.eval_max_new_tokens},
+                # the task's held-out check: final-answer match, or e.g. code-tests for code_expr
+                interface_args={"eval_max_new_tokens": self.eval_max_new_tokens,
+                                "eval_reward": self._task().eval_reward},
                 freq_steps=self.eval_freq_steps,
             ),
             **self.runtime_fields(),

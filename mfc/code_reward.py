@@ -8,14 +8,24 @@ response when it has none.  Every test runs in its own bubblewrap sandbox
 CPU/memory/process/file/output/wall limits, every process killed at the end); the tests
 of one response run concurrently in a bounded pool.  Model-written code never runs on
 the host: without a working sandbox the reward raises, unless ``allow_unsandboxed``.
+
+``cache`` (entries, default 0 = off): remember the outcome of each (program, stdin, limits)
+in this process and reuse it.  Why: an RL group samples the same program several times
+(and held-out evaluation scores a greedy and several sampled programs per prompt), and
+each sandboxed run costs tens of milliseconds of mostly kernel time -- on a small CPU
+machine the reward, not the model, then sets the pace.  Every outcome still comes from a
+sandboxed run; a program whose output varies between runs keeps its first outcome.
+``sample.meta["code_cached"]`` counts the reused test results.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
 import re
 import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,6 +38,8 @@ MAX_PARALLEL = max(1, min(8, (os.cpu_count() or 1) * 2))  # sandboxes of one pro
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
 _slots = itertools.count()
 _slot_lock = threading.Lock()
+_cache: "OrderedDict[bytes, tuple[bool, str, str]]" = OrderedDict()  # key -> (ok, reason, stdout)
+_cache_lock = threading.Lock()
 
 
 def extract_program(response: str) -> str:
@@ -57,24 +69,48 @@ def _same(got: str, want: str) -> bool:
     return norm(got) == norm(want)
 
 
+def _run_cached(program: str, stdin: str, limits: SandboxLimits, allow_unsandboxed: bool,
+                cache: int) -> tuple[bool, str, str, bool]:
+    """(ok, reason, stdout, reused): one sandboxed run, or its remembered outcome (``cache`` > 0)."""
+    key = hashlib.sha256(repr((program, stdin, limits, allow_unsandboxed)).encode()).digest()
+    if cache > 0:
+        with _cache_lock:
+            hit = _cache.get(key)
+            if hit is not None:
+                _cache.move_to_end(key)
+                return (*hit, True)
+    r = run_program(program, stdin, limits, slot=_next_slot(), allow_unsandboxed=allow_unsandboxed)
+    if cache > 0:
+        with _cache_lock:
+            _cache[key] = (r.ok, r.reason, r.stdout)
+            while len(_cache) > cache:
+                _cache.popitem(last=False)
+    return r.ok, r.reason, r.stdout, False
+
+
 @register_reward("code-tests")
 def code_tests_reward(sample: RewardInput, wall_s: float = 5.0, cpu_s: int = 2, memory_mb: int = 256,
-                      all_or_nothing: bool = False, allow_unsandboxed: bool = False) -> float:
-    """The fraction of test cases the program passes (``all_or_nothing``: 1 only if all pass)."""
+                      all_or_nothing: bool = False, allow_unsandboxed: bool = False, cache: int = 0) -> float:
+    """The fraction of test cases the program passes (``all_or_nothing``: 1 only if all pass);
+    ``cache``: outcomes of that many recent (program, stdin) runs are reused (see the module doc)."""
     tests = parse_tests(sample.answer)
     program = extract_program(sample.response)
     limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb)
+    sample.meta.setdefault("code_failures", [])
+    reused = []
 
     def one(t: dict[str, str]) -> bool:
-        r = run_program(program, t.get("input", ""), limits, slot=_next_slot(), allow_unsandboxed=allow_unsandboxed)
-        sample.meta.setdefault("code_failures", [])
-        if not r.ok:
-            sample.meta["code_failures"].append(r.reason)
+        ok, reason, stdout, hit = _run_cached(program, t.get("input", ""), limits, allow_unsandboxed, cache)
+        reused.append(hit)
+        if not ok:
+            sample.meta["code_failures"].append(reason)
             return False
-        return _same(r.stdout, t["output"])
+        return _same(stdout, t["output"])
 
     with ThreadPoolExecutor(min(MAX_PARALLEL, len(tests))) as pool:
         passed = list(pool.map(one, tests))
+    if cache > 0:
+        sample.meta["code_cached"] = sum(reused)
     if all_or_nothing:
         return float(all(passed))
     return sum(passed) / len(passed)

@@ -4,7 +4,8 @@
 engine shares the megatron parameters, so a reallocation into this layout is seen
 without copying). ``train_step`` computes advantages (:mod:`mfc.rl_batch`), then runs
 ``ppo_epochs`` x ``n_minibatches`` optimizer steps of the clipped (optionally dual-clip
-or decoupled) objective. ``evaluate`` is greedy exact match on held-out prompts.
+or decoupled) objective. ``evaluate`` scores greedy and sampled responses to held-out prompts
+(final-answer exact match, or the registered reward ``eval_reward``, e.g. ``code-tests``).
 """
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from typing import Any, Optional
 import torch
 
 from mfc.losses import PPOActorConfig, aggregation_weight, ppo_actor_loss
-from mfc.math_reward import verify_answer
 from mfc.packed import next_token_targets
+from mfc.reward import held_out_scores
 from mfc.rl_batch import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, AdvantageConfig, KLPenalty,
                           flat_seqlens, run_ppo_updates)
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
@@ -62,6 +63,8 @@ class PPOActorInterface(ModelInterface):
     adv: dict[str, Any] = field(default_factory=dict)  # AdvantageConfig fields
     eval_max_new_tokens: int = 16
     eval_n_samples: int = 8  # samples per held-out prompt for sampled_accuracy (0 = greedy only)
+    eval_reward: str = ""  # "" = final-answer exact match; else a registered reward (mean = accuracy)
+    eval_reward_args: dict[str, Any] = field(default_factory=dict)
     # decoupled PPO (asynchronous runs): clip against the proximal policy (key PROX_LOGPROBS, from
     # actor_inf) and weight each token by pi_prox / pi_behav, capped at behav_imp_weight_cap
     decoupled: bool = False
@@ -172,10 +175,11 @@ class PPOActorInterface(ModelInterface):
 
     # ---- evaluation / save ----------------------------------------------------------------------
     def evaluate(self, model: Model, batch: SequenceBatch) -> dict[str, float]:
-        """Held-out exact match of this dp rank's prompts, summed over dp ranks.
+        """Held-out score of this dp rank's prompts, summed over dp ranks: final-answer exact
+        match, or the mean of the registered reward ``eval_reward`` (with ``eval_reward_args``).
 
         ``accuracy``: greedy decoding. ``sampled_accuracy``: pass@1 estimated as the mean
-        exact match of ``eval_n_samples`` samples per prompt at the training temperature --
+        score of ``eval_n_samples`` samples per prompt at the training temperature --
         the quantity RL maximises, and the usual headline metric of RL for reasoning --
         with seeds fixed per prompt, so evaluations before and after training compare the
         same random draws.
@@ -197,22 +201,23 @@ class PPOActorInterface(ModelInterface):
                           for sid in batch.ids]
                 res = gen.generate(prompts, params)
                 k = self.eval_n_samples
-                sampled = sum(_correct(tok, r.output_ids, batch.metadata["answer"][i // k]) for i, r in enumerate(res))
+                sampled = sum(self._scores([r.output_ids for r in res],
+                                           [a for a in batch.metadata["answer"] for _ in range(k)], tok))
         else:
             outputs = eng.greedy_generate(prompts, self.eval_max_new_tokens, tok.eos_token_id)
-        correct = sum(_correct(tok, o, a) for o, a in zip(outputs, batch.metadata["answer"]))
+        correct = sum(self._scores(outputs, batch.metadata["answer"], tok))
         n_correct, n_total, n_sampled = eng.dp_sum([float(correct), float(len(prompts)), float(sampled or 0.0)])
         out = {"accuracy": n_correct / max(n_total, 1.0), "n_eval": n_total}
         if sampled is not None:
             out["sampled_accuracy"] = n_sampled / max(n_total * self.eval_n_samples, 1.0)
         return out
 
+    def _scores(self, outputs: list[list[int]], answers: list[Any], tok: Any) -> list[float]:
+        texts = [tok.decode(ids, skip_special_tokens=True) for ids in outputs]
+        return held_out_scores(texts, answers, self.eval_reward, self.eval_reward_args)
+
     def save(self, model: Model, path: str) -> None:
         model.module.save_hf(path, tokenizer_dir=getattr(model.tokenizer, "name_or_path", None))
-
-
-def _correct(tok: Any, ids: list[int], answer: Any) -> float:
-    return verify_answer(tok.decode(ids, skip_special_tokens=True), answer, allow_last_number=False).reward
 
 
 def logprobs_batch(model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec, key: str,

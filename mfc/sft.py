@@ -1,13 +1,14 @@
-"""SFT interface: token-normalised NLL on answer tokens, and exact-match evaluation."""
+"""SFT interface: token-normalised NLL on answer tokens, and held-out evaluation (final-answer
+exact match, or a registered reward such as ``code-tests`` via ``eval_reward``)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from mfc.math_reward import verify_answer
 from mfc.packed import next_token_targets
+from mfc.reward import held_out_scores
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.interface import Model, ModelInterface, register_interface
 
@@ -24,6 +25,8 @@ class SFTInterface(ModelInterface):
     """
 
     eval_max_new_tokens: int = 16
+    eval_reward: str = ""  # "" = final-answer exact match; else a registered reward (mean = accuracy)
+    eval_reward_args: dict[str, Any] = field(default_factory=dict)
 
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
         micro_batches = []
@@ -40,7 +43,8 @@ class SFTInterface(ModelInterface):
         return stats
 
     def evaluate(self, model: Model, batch: SequenceBatch) -> dict[str, float]:
-        """Greedy-decode every prompt of this dp rank's shard; exact match, summed over ranks."""
+        """Greedy-decode every prompt of this dp rank's shard; mean score (``eval_reward``, default
+        exact match) summed over ranks."""
         key = "packed_prompts" if "packed_prompts" in batch.data else "packed_input_ids"
         prompts = []
         for i in range(len(batch)):
@@ -50,10 +54,8 @@ class SFTInterface(ModelInterface):
             prompts.append(seq.tolist())
         tok = model.tokenizer
         outputs = model.module.greedy_generate(prompts, self.eval_max_new_tokens, tok.eos_token_id)
-        correct = 0.0
-        for out, answer in zip(outputs, batch.metadata["answer"]):
-            text = tok.decode(out, skip_special_tokens=True)
-            correct += verify_answer(text, answer, allow_last_number=False).reward
+        texts = [tok.decode(out, skip_special_tokens=True) for out in outputs]
+        correct = sum(held_out_scores(texts, batch.metadata["answer"], self.eval_reward, self.eval_reward_args))
         n_correct, n_total = model.module.dp_sum([correct, float(len(prompts))])
         return {"accuracy": n_correct / max(n_total, 1.0), "n_eval": n_total}
 

@@ -1,5 +1,6 @@
 """Generated tasks by name: every entry makes its data, SFT and RL find the same files, and a
 wrong task name is a one-line error naming the closest ones."""
+import importlib
 import json
 import os
 
@@ -10,6 +11,7 @@ from experiments.tasks.registry import TASKS, get_task
 
 @pytest.mark.parametrize("name", list(TASKS))
 def test_each_task_writes_rows_the_reward_accepts(tmp_path, name):
+    importlib.import_module("mfc.code_reward")  # registers code-tests
     from mfc.reward import RewardConfig, RewardInput, compute_rewards
 
     task = get_task(name)
@@ -18,12 +20,18 @@ def test_each_task_writes_rows_the_reward_accepts(tmp_path, name):
     test = [json.loads(line) for line in open(tmp_path / "test.jsonl")]
     assert len(rows) == 40 and len(test) == 10
     assert not {r["prompt"] for r in test} & {r["prompt"] for r in rows}
-    # the SFT target is a correct answer; a wrong final answer is not
+    # the SFT target is a correct answer (under the task's reward); a wrong one is not
+    if task.reward == "code-tests":
+        # each row runs its tests in the sandbox; rows with a deliberate bug (code_expr) are not targets to check
+        rows = [r for r in rows if not r.get("bug")][:8]
+        wrong = [r["solution"].replace("print(", "print(1+") for r in rows]
+    else:
+        wrong = [f"#### {int(r['answer']) + 1}" for r in rows]
     good = compute_rewards([RewardInput(id=r["id"], prompt=r["prompt"], response=r["solution"], answer=r["answer"])
-                            for r in rows], RewardConfig(name="arithmetic")).rewards
-    bad = compute_rewards([RewardInput(id=r["id"], prompt=r["prompt"], response=f"#### {int(r['answer']) + 1}",
-                                       answer=r["answer"]) for r in rows], RewardConfig(name="arithmetic")).rewards
-    assert all(g > b for g, b in zip(good, bad))
+                            for r in rows], RewardConfig(name=task.reward)).rewards
+    bad = compute_rewards([RewardInput(id=r["id"], prompt=r["prompt"], response=w, answer=r["answer"])
+                           for r, w in zip(rows, wrong)], RewardConfig(name=task.reward)).rewards
+    assert all(g > b for g, b in zip(good, bad)) and all(g == 1.0 for g in good)
 
 
 def test_unknown_task_names_the_closest():

@@ -9,6 +9,9 @@ those choices together instead of spread over three configs.
 * ``worked_arithmetic`` (:mod:`experiments.tasks.worked_arithmetic`): chains of
   additions and subtractions written out step by step; response lengths have a
   long tail -- the task where asynchronous RL matters (the async default).
+* ``code_expr`` (:mod:`experiments.tasks.code_expr`): one-line Python programs from a
+  short spec, checked by running them on test cases in the sandbox (``code-tests``
+  reward); the code RL default (``async-grpo-code``).
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ class TaskSpec:
     sft_args: tuple[str, ...]  # main_sft overrides that train this task's start checkpoint
     response_tokens: int  # a max_new_tokens that lets (almost) every correct answer finish
     sft_trial: str  # trial name of that SFT run under fileroot/sft/
+    reward: str = "arithmetic"  # the registered reward that checks a response against a row's answer
+    eval_reward: str = ""  # held-out score: "" = final-answer exact match, else a registered reward
 
 
 def _arith(out_dir: str, n_train: int, n_test: int, seed: int, difficulty: int) -> Any:
@@ -42,12 +47,22 @@ def _worked(out_dir: str, n_train: int, n_test: int, seed: int, difficulty: int)
     return ensure_dataset(out_dir, n_train, n_test, seed, digits=difficulty)
 
 
+def _code(out_dir: str, n_train: int, n_test: int, seed: int, difficulty: int) -> Any:
+    from experiments.tasks.code_expr import ensure_dataset
+
+    return ensure_dataset(out_dir, n_train, n_test, seed, difficulty)
+
+
 TASKS: dict[str, TaskSpec] = {
     "arithmetic": TaskSpec("arithmetic", "arith", 2, _arith, (), 16, "trial0"),
     "worked_arithmetic": TaskSpec(
         "worked_arithmetic", "worked", 2, _worked,
         ("dataset.task=worked_arithmetic", "max_train_steps=600", "eval_max_new_tokens=96"),
         96, "worked_arithmetic"),
+    "code_expr": TaskSpec(
+        "code_expr", "code", 2, _code,
+        ("dataset.task=code_expr", "max_train_steps=400", "dataset.n_test=100"),
+        16, "code_expr", reward="code-tests", eval_reward="code-tests"),
 }
 
 

@@ -333,7 +333,7 @@ class ConsoleView:
 
 _METRIC_NOTES = {
     "accuracy": "  (greedy decoding)",
-    "sampled_accuracy": "  (pass@1: mean exact match of samples at the policy's temperature)",
+    "sampled_accuracy": "  (pass@1: mean exact match, or eval reward, of samples at the policy's temperature)",
 }
 
 

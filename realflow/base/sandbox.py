@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -80,18 +81,44 @@ def _interpreter() -> str:
     raise SandboxUnavailable("no system Python (/usr/bin/python3) to run sandboxed programs with")
 
 
-@functools.lru_cache(maxsize=None)
+_status_lock = threading.Lock()
+_status_ok = False
+
+
 def sandbox_status() -> str:
-    """"" when sandboxing works here, else why not (cached: probing starts a sandbox)."""
-    if shutil.which("bwrap") is None:
-        return f"bubblewrap (bwrap) is not installed: {INSTALL_HINT}"
-    try:
-        res = _run("print(6 * 7)", "", SandboxLimits(wall_s=20), slot=0, sandboxed=True)
-    except (OSError, SandboxUnavailable) as e:
-        return f"bubblewrap cannot start a sandbox here: {e}"
-    if res.stdout.strip() != "42":
-        return f"bubblewrap cannot start a sandbox here: {res.reason or 'no output'} {res.stderr[-300:]}".strip()
-    return ""
+    """"" when sandboxing works here, else why not.
+
+    Probing starts a sandbox, so it runs once per process at a time (under a lock) and a
+    success is remembered. A failure is not: it can be transient -- the threads of several
+    processes probing at once under one uid hit the process limit (``Can't fork for pid 1``)
+    -- and a remembered one turned every later reward of that process into an error. The
+    probe's slot depends on the process, so processes starting together do not share a uid.
+    """
+    global _status_ok
+    if _status_ok:
+        return ""
+    with _status_lock:
+        if _status_ok:
+            return ""
+        if shutil.which("bwrap") is None:
+            return f"bubblewrap (bwrap) is not installed: {INSTALL_HINT}"
+        try:
+            res = _run("print(6 * 7)", "", SandboxLimits(wall_s=20), slot=os.getpid() % 1000, sandboxed=True)
+        except (OSError, SandboxUnavailable) as e:
+            return f"bubblewrap cannot start a sandbox here: {e}"
+        if res.stdout.strip() != "42":
+            return f"bubblewrap cannot start a sandbox here: {res.reason or 'no output'} {res.stderr[-300:]}".strip()
+        _status_ok = True
+        return ""
+
+
+def _forget_status() -> None:
+    """Probe again on the next call (tests that change the environment use it)."""
+    global _status_ok
+    _status_ok = False
+
+
+sandbox_status.cache_clear = _forget_status  # type: ignore[attr-defined]  (the name of the former lru_cache's)
 
 
 def run_program(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), *, slot: int = 0,

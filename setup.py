@@ -41,7 +41,8 @@ setup(
         "deepspeed": ["deepspeed"],
         "ray": ["ray>=2.60,<3"],  # launcher=ray (realflow/scheduler/ray.py); tested with 2.60.0
         "agents": ["openai>=2"],  # the official client, for agents behind the OpenAI-compatible proxy
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6", "ray>=2.60,<3", "openai>=2"],
+        "wandb": ["wandb>=0.17"],  # wandb.mode=online|offline: stats also go to Weights & Biases
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6", "ray>=2.60,<3", "openai>=2", "wandb>=0.17"],
     },
     entry_points={
         "console_scripts": [

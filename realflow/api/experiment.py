@@ -17,6 +17,7 @@ from realflow.api.deploy import DeploySpec, RayConfig, RecoverSpec, SlurmConfig
 from realflow.api.mfc import MFCDef
 from realflow.api.rollout import RolloutSpec
 from realflow.api.registry import Registry
+from realflow.base.wandb_sink import WandbConfig
 
 
 @dataclass
@@ -122,6 +123,9 @@ class ExperimentSetup:
     deploy: DeploySpec = field(default_factory=DeploySpec)
     recover: RecoverSpec = field(default_factory=lambda: RecoverSpec(mode="off"))
     rollout: Optional["RolloutSpec"] = None  # set: asynchronous PPO (trajectories come from the rollout side)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # W&B beside TensorBoard (mode=disabled: off)
+    #: the user-facing experiment config as plain data, attached to the W&B run (empty while W&B is off)
+    experiment_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         # values a run would accept and then do nothing with (0 epochs, -1 steps) are errors here
@@ -203,6 +207,7 @@ class BaseExperimentConfig:
         "help": "a recover point once this many seconds passed since the last (0 = by steps only)"})
     recover_retries: int = field(default=3, metadata={"help": "relaunches after faults (recover_mode=auto)"})
     recover_keep: int = field(default=2, metadata={"help": "recover points kept; older ones are deleted"})
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         self.runtime_fields()  # a bad launcher / recover / heartbeat value fails where it is set
@@ -233,7 +238,20 @@ class BaseExperimentConfig:
             recover=RecoverSpec(mode=self.recover_mode, freq_steps=self.recover_freq_steps,
                                 freq_seconds=self.recover_freq_seconds, retries=self.recover_retries,
                                 keep=self.recover_keep),
+            wandb=self.wandb, experiment_config=self._plain_config() if self.wandb.enabled else {},
         )
+
+    def _plain_config(self) -> dict[str, Any]:
+        """This config as JSON-able data for trackers; a value that is not plain data becomes its str
+        (a tracker's copy of the config must never stop a run)."""
+        import json
+
+        from realflow.api.config import ConfigError, config_to_dict
+
+        try:
+            return config_to_dict(self)
+        except ConfigError:
+            return json.loads(json.dumps(dataclasses.asdict(self), default=str))
 
     def run_dir(self, default_name: str) -> str:
         import os

@@ -2,11 +2,14 @@
 
 Each worker returns a flat ``{name: scalar}`` dict per MFC call; the master combines
 them with ``reduce_stats`` (mean of losses, sum of token counts, max of memory, ...)
-and hands the result to ``StatsLogger``, which writes two things:
+and hands the result to ``StatsLogger``, which always writes two things:
 
 * TensorBoard event files under ``<run_dir>/tensorboard`` - for people;
 * ``<run_dir>/stats.jsonl``, one JSON object per ``log`` call - for scripts and
-  tests, without needing TensorBoard to read them back.
+  tests, without needing TensorBoard to read them back;
+
+and, when ``wandb.mode`` is online or offline, the same rows to a Weights & Biases run
+(:mod:`realflow.base.wandb_sink`).
 
 Non-finite values are kept (NaN loss is exactly what one wants to see); the jsonl
 file writes them as the JSON extensions ``NaN`` / ``Infinity`` that Python's json
@@ -20,7 +23,10 @@ import numbers
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:
+    from realflow.base.wandb_sink import WandbConfig
 
 REDUCE_OPS = ("mean", "sum", "min", "max")
 _RESERVED = ("step", "time")
@@ -88,16 +94,24 @@ def weighted_mean(values: Iterable[float], weights: Iterable[float]) -> float:
 
 
 class StatsLogger:
-    """Per-step scalar stats to TensorBoard and a jsonl file under ``run_dir``."""
+    """Per-step scalar stats to TensorBoard and a jsonl file under ``run_dir`` (and W&B, if asked)."""
 
     def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = True, jsonl: bool = True,
-                 resume_step: int | None = None) -> None:
+                 resume_step: int | None = None, wandb: Optional["WandbConfig"] = None, run_name: str = "",
+                 config: Optional[Mapping[str, Any]] = None) -> None:
         """``resume_step``: the run continues after this step (a recover point), so rows of
-        later steps, written by the attempt that failed, are dropped; None: a fresh run."""
+        later steps, written by the attempt that failed, are dropped; None: a fresh run.
+        ``wandb``: also log to W&B when its mode is not disabled, as run ``run_name`` (the
+        default name) with ``config`` (the experiment's config) attached."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.run_dir / "stats.jsonl"
         self.tensorboard_dir = self.run_dir / "tensorboard"
+        self._wandb = None
+        if wandb is not None and wandb.enabled:  # first: a missing package fails before any file is opened
+            from realflow.base.wandb_sink import WandbSink
+
+            self._wandb = WandbSink(wandb, self.run_dir, run_name, config, resume=resume_step is not None)
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -125,6 +139,8 @@ class StatsLogger:
                 self._writer.add_scalar(name, v, global_step=step, walltime=wall)
         if self._jsonl is not None:
             self._jsonl.write(step, row)
+        if self._wandb is not None:
+            self._wandb.log(step, row)
         return row
 
     def flush(self) -> None:
@@ -133,7 +149,8 @@ class StatsLogger:
         if self._jsonl is not None:
             self._jsonl.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Flush and close every sink; ``failed`` marks the W&B run as failed."""
         if self._closed:
             return
         self._closed = True
@@ -141,12 +158,14 @@ class StatsLogger:
             self._writer.close()
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.close(failed=failed)
 
     def __enter__(self) -> "StatsLogger":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
 
 class StepLog:
@@ -187,7 +206,22 @@ class StepLog:
         self._f.close()
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Rows of a stats.jsonl file (tools, plots, tests)."""
+def read_jsonl(path: str | os.PathLike, skip_bad: bool = False) -> list[dict[str, Any]]:
+    """Rows of a stats.jsonl file (tools, plots, tests).
+
+    ``skip_bad``: drop lines that are not JSON objects (a line a killed run cut short)
+    instead of raising, for tools that read a run while it runs or after it crashed."""
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                if skip_bad:
+                    continue
+                raise
+            if isinstance(row, dict) or not skip_bad:
+                rows.append(row)
+    return rows

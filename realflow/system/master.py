@@ -64,7 +64,9 @@ class Master:
         self.recover = RecoverPoints(setup)
         self.resume_from: Optional[RecoverPoint] = self.recover.resume_point()
         resume_step = self.resume_from.step if self.resume_from else None
-        self.stats = StatsLogger(setup.run_dir, resume_step=resume_step)
+        self.stats = StatsLogger(setup.run_dir, resume_step=resume_step, wandb=setup.wandb,
+                                 run_name=f"{setup.experiment_name}/{setup.trial_name}",
+                                 config=setup.experiment_config)
         # which samples each step trained: lineage for users, and the proof that a resumed run
         # trains no sample twice and loses none
         self.samples = StepLog(os.path.join(setup.run_dir, "samples.jsonl"), resume_step)

@@ -61,6 +61,10 @@ def run_master(setup: ExperimentSetup, secret: bytes) -> int:
     except Exception as e:  # report one line naming the culprit, keep the traceback in the log
         logger.exception("run failed")
         master.progress.error(one_line_error(e), fault=is_fault(e))
+        try:  # flushed, and a W&B run marked failed before a relaunch resumes it
+            master.stats.close(failed=True)
+        except Exception:
+            logger.exception("closing the stats sinks failed")
         return 1
     finally:
         monitor.close()

@@ -2,6 +2,7 @@
 ZMQ control plane, shared-memory data plane, gloo DDP, megatron-core model."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -30,7 +31,8 @@ def read_stats(run_dir):
 
 @pytest.mark.timeout(400)
 def test_sft_through_launcher_lowers_loss_and_saves_loadable_checkpoint(tmp_path):
-    res = run_sft(tmp_path, "max_train_steps=150", "total_train_epochs=2", "optimizer.lr=3e-3")
+    wandb = ["wandb.mode=offline"] if importlib.util.find_spec("wandb") else []  # the [wandb] extra, if installed
+    res = run_sft(tmp_path, "max_train_steps=150", "total_train_epochs=2", "optimizer.lr=3e-3", *wandb)
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = tmp_path / "sft" / "trial0"
     steps = [r for r in read_stats(run_dir) if "sft_train/loss" in r]
@@ -48,6 +50,15 @@ def test_sft_through_launcher_lowers_loss_and_saves_loadable_checkpoint(tmp_path
 
     # TensorBoard event files exist next to the jsonl
     assert any(f.startswith("events.out.tfevents") for _, _, fs in os.walk(run_dir) for f in fs)
+
+    # the run ended by drawing its plots (SFT: no reward panel) and, with W&B offline, left its W&B run
+    plots = sorted(p.name for p in (run_dir / "plots").glob("*.png"))
+    assert plots == ["heldout.png", "loss.png", "mfc_time.png", "throughput.png"], plots
+    assert all((run_dir / "plots" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in plots)
+    assert f"plots: {run_dir / 'plots'}" in res.stdout
+    if wandb:
+        run_id = (run_dir / "wandb_run_id").read_text().strip()
+        assert list(run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")), os.listdir(run_dir / "wandb")
 
     # the saved checkpoint loads in transformers and answers the held-out set exactly as the run reported
     from mfc.math_reward import verify_answer

@@ -21,6 +21,7 @@ from realflow.api.config import ConfigError, format_help, import_modules, parse_
 from realflow.api.dataset import DataRowError
 from realflow.api.experiment import experiment_registry
 from realflow.base import names
+from realflow.base.wandb_sink import check_installed
 from realflow.comm import shm
 from realflow.comm.auth import SECRET_FILE_ENV, new_secret, write_secret_file
 from realflow.system.plan import compile_plan
@@ -84,6 +85,7 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
         setup = cfg.setup()
         plan = compile_plan(setup)
         plan.graph.check_references(roles=setup.models)  # interfaces registered (plugins are imported by now)
+        check_installed(setup.wandb)  # here, not in the master: a missing optional package is a usage error
     except (UsageError, ConfigError, KeyError, ValueError, ImportError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         print(f"error: {msg}", file=sys.stderr)
@@ -128,6 +130,7 @@ def launch(experiment: str, imports: list[str], overrides: list[str], setup, mer
     experiment's own code) tears the job down and relaunches it, up to ``recover_retries``
     times; the master of the new attempt resumes from the last recover point.
     """
+    from realflow.apps.plot import plot_after_run
     from realflow.base.name_resolve import NameResolveError, make_name_resolver
     from realflow.system.recover import RecoverError, RecoverPoints
 
@@ -153,12 +156,15 @@ def launch(experiment: str, imports: list[str], overrides: list[str], setup, mer
         while True:
             rc, fault = _run_attempt(experiment, imports, overrides, setup, merged_console, attempt, resolver)
             if rc == 0 or fault is None:
+                if rc != 130:  # finished or failed for good, not interrupted: draw its curves
+                    plot_after_run(setup.run_dir)
                 return rc
             retries = setup.recover.retries
             if setup.recover.mode != "auto" or attempt >= retries:
                 why = (f"giving up after {retries} relaunches (recover_retries={retries})"
                        if setup.recover.mode == "auto" else f"recover_mode={setup.recover.mode}: no automatic relaunch")
                 print(f"fault: {fault}; {why}", file=sys.stderr)
+                plot_after_run(setup.run_dir)  # the curves up to the fault help to see what went wrong
                 return rc
             attempt += 1
             latest = points.latest()

@@ -100,3 +100,30 @@ def two_tiny_qwen2(tmp_path_factory):
         path = str(tmp_path_factory.mktemp(name))
         out[name] = (path, make_tiny_hf(path, seed=seed, family="qwen2")[1])
     return out
+
+
+#: A weak arithmetic SFT start (lots of room for RL): the RL end-to-end tests all begin from it.
+SMALL_SFT_START = ["dataset.n_train=3000", "dataset.n_test=64", "model.arch.hidden_size=64",
+                   "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=128", "batch_size=32",
+                   "max_train_steps=400", "optimizer.lr=3e-3"]
+
+
+@pytest.fixture(scope="session")
+def small_sft_start(tmp_path_factory):
+    """A file root holding ``SMALL_SFT_START``'s run (``sft/trial0``) and its data: trained once
+    per session (~40 s); a test module copies it with :func:`copy_sft_start` into its own root."""
+    import sys
+
+    root = tmp_path_factory.mktemp("sft_start")
+    cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={root}", *SMALL_SFT_START]
+    res = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return root
+
+
+def copy_sft_start(start, root):
+    """``root`` with the shared SFT start's checkpoint and data where the RL experiments look."""
+    for sub in ("sft", "data"):
+        shutil.copytree(start / sub, root / sub, dirs_exist_ok=True)
+    return root

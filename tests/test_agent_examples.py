@@ -9,11 +9,9 @@ in another at this model size; see the README.)
 """
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from test_system_async_ppo import REPO, _rows, _run
+from conftest import copy_sft_start
+from test_system_async_ppo import _rows, _run
 
 pytest.importorskip("openai")
 
@@ -23,15 +21,9 @@ def _run_async(fileroot, *args):
 
 
 @pytest.fixture(scope="module")
-def fileroot(tmp_path_factory):
-    """A small arithmetic SFT start (~1 min)."""
-    root = tmp_path_factory.mktemp("agents")
-    sft = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={root}", "dataset.n_train=3000",
-           "dataset.n_test=16", "model.arch.hidden_size=64", "model.arch.num_hidden_layers=2",
-           "model.arch.intermediate_size=128", "batch_size=32", "max_train_steps=300", "optimizer.lr=3e-3"]
-    res = subprocess.run(sft, cwd=REPO, capture_output=True, text=True, timeout=400)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return root
+def fileroot(tmp_path_factory, small_sft_start):
+    """The shared small arithmetic SFT start (tests/conftest.py)."""
+    return copy_sft_start(small_sft_start, tmp_path_factory.mktemp("agents"))
 
 
 @pytest.mark.timeout(600)

@@ -11,12 +11,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import copy_sft_start
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGINS = os.path.join(REPO, "tests", "plugins")
-SFT_SMALL = ["dataset.n_train=3000", "dataset.n_test=64", "model.arch.hidden_size=64",
-             "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=128", "batch_size=32",
-             "max_train_steps=400", "optimizer.lr=3e-3"]
 # the short-answer task (the async default is worked_arithmetic, whose SFT start takes minutes)
 FAST = ["dataset.task=arithmetic", "ppo.max_new_tokens=16", "dataset.n_test=32", "eval_n_samples=2",
         "dataset.n_train=4000"]
@@ -34,11 +32,8 @@ def _rows(run_dir):
 
 
 @pytest.fixture(scope="module")
-def fileroot(tmp_path_factory):
-    root = tmp_path_factory.mktemp("async")
-    res = _run(["realflow.apps.main_sft"], root, *SFT_SMALL, timeout=400)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return root
+def fileroot(tmp_path_factory, small_sft_start):
+    return copy_sft_start(small_sft_start, tmp_path_factory.mktemp("async"))
 
 
 @pytest.mark.timeout(300)

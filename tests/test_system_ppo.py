@@ -13,11 +13,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import copy_sft_start
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SFT_SMALL = ["dataset.n_train=3000", "dataset.n_test=64", "model.arch.hidden_size=64",
-             "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=128", "batch_size=32",
-             "max_train_steps=400", "optimizer.lr=3e-3"]
 
 
 def _run(module_args, fileroot, *overrides, timeout=600):
@@ -31,12 +29,9 @@ def _stats(run_dir):
 
 
 @pytest.fixture(scope="module")
-def fileroot(tmp_path_factory):
+def fileroot(tmp_path_factory, small_sft_start):
     """A weak SFT checkpoint (lots of room for RL) where the PPO experiments look for it."""
-    root = tmp_path_factory.mktemp("rl")
-    res = _run(["realflow.apps.main_sft"], root, *SFT_SMALL, timeout=400)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return root
+    return copy_sft_start(small_sft_start, tmp_path_factory.mktemp("rl"))
 
 
 #: the explicit reallocating layout (the default, data-parallel everywhere, reallocates nothing):

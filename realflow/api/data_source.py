@@ -12,6 +12,13 @@ to the keys its samples carry and to the tokenized samples of one worker's shard
 A user format registered in ``DATASET_FORMATS`` is classified by the return
 annotation of its parser (``-> PromptAnswerRow`` or ``-> SFTRow``).
 
+A user format whose samples are neither (preference pairs, several sequences per row,
+extra tensors) registers a *data source* under the same name: ``@register_data_source(
+name, keys=...)`` on ``to_sample(row, tokenizer, args) -> SequenceBatch | None`` (one
+sample per parsed row; None drops the row, counted as ``filtered``). The parser in
+``DATASET_FORMATS`` still reads and checks every row (``--check``, file:line errors);
+the data source decides the keys the graph sees and how a row becomes tensors.
+
 ``spec.args`` (all optional): ``max_prompt_len`` (default 1024), ``max_seq_len``
 (SFT), ``seed``, ``chat_template`` (bool), ``system_prompt``, ``prompt_template``
 (see :class:`~realflow.api.dataset.PromptFormat`) and ``skip_bad_rows`` (bool:
@@ -21,16 +28,19 @@ from __future__ import annotations
 
 import logging
 import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
 from realflow.api.batch import SequenceBatch
 from realflow.api.dataset import (DATASET_FORMATS, PromptAnswerDataset, PromptAnswerRow, PromptFormat,
-                                  SFTDataset, SFTRow)
+                                  SFTDataset, SFTRow, load_rows_report)
 from realflow.api.experiment import DatasetSpec
-from realflow.api.registry import did_you_mean
+from realflow.api.registry import Registry, did_you_mean
 
-__all__ = ["dataset_keys", "load_dataset_shard", "DATASET_ARGS"]
+__all__ = ["dataset_keys", "load_dataset_shard", "DATASET_ARGS", "DataSource", "DATA_SOURCES",
+           "register_data_source"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +50,32 @@ _METADATA_KEYS = ("answer",)
 _BUILTIN_KIND = {"sft": "sft", "prompt_answer": "prompt", "gsm8k": "prompt", "boxed": "prompt"}
 DATASET_ARGS = ("max_prompt_len", "max_seq_len", "seed", "chat_template", "system_prompt",
                 "prompt_template", "skip_bad_rows")
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """How rows of a user format become samples: ``keys`` (tensor keys and metadata keys every
+    sample carries), ``to_sample`` and the extra ``spec.args`` it accepts."""
+    keys: tuple[str, ...]
+    to_sample: Callable[[Any, Any, dict[str, Any]], Optional[SequenceBatch]]
+    args: tuple[str, ...] = ()
+
+
+DATA_SOURCES: Registry[DataSource] = Registry("data source")
+_COMMON_ARGS = ("seed", "skip_bad_rows")
+
+
+def register_data_source(name: str, keys: tuple[str, ...], args: tuple[str, ...] = ()):
+    """Decorate ``to_sample(row, tokenizer, args) -> SequenceBatch | None`` (``row``: what the
+    ``DATASET_FORMATS`` parser of the same name returned, with its ``id``; ``args``: the
+    spec's args minus ``seed``/``skip_bad_rows``) to make format ``name`` a data source."""
+    if not keys or not all(isinstance(k, str) and k for k in keys):
+        raise ValueError(f"data source {name!r}: keys must be non-empty strings, got {keys!r}")
+
+    def decorator(fn: Callable[[Any, Any, dict[str, Any]], Optional[SequenceBatch]]):
+        DATA_SOURCES.register(name, DataSource(tuple(keys), fn, tuple(args)))
+        return fn
+    return decorator
 
 
 def _kind(fmt: str) -> str | None:
@@ -58,6 +94,8 @@ def _kind(fmt: str) -> str | None:
 def dataset_keys(spec: DatasetSpec) -> tuple[str, ...]:
     """The keys every sample of ``spec`` carries (the graph's data set keys): tensor keys,
     plus the metadata key ``answer`` (the reference answer a rule-based reward reads)."""
+    if spec.format in DATA_SOURCES:
+        return DATA_SOURCES.get(spec.format).keys
     kind = _kind(spec.format)
     if kind is None:
         known = sorted(set(_BUILTIN_KIND) | set(DATASET_FORMATS.names()))
@@ -65,20 +103,44 @@ def dataset_keys(spec: DatasetSpec) -> tuple[str, ...]:
             f"data set format '{spec.format}' has no sample keys defined"
             + did_you_mean(spec.format, known)
             + f" (known: {known}; a user format's parser must be annotated "
-            "'-> PromptAnswerRow' or '-> SFTRow')"
+            "'-> PromptAnswerRow' or '-> SFTRow', or a data source registered with "
+            "realflow.api.data_source.register_data_source)"
         )
     return (_SFT_KEYS if kind == "sft" else _PROMPT_KEYS) + _METADATA_KEYS
 
 
-def _parse_args(spec: DatasetSpec) -> dict:
+def _parse_args(spec: DatasetSpec, known: tuple[str, ...] = DATASET_ARGS) -> dict:
     args = dict(spec.args)
-    unknown = sorted(set(args) - set(DATASET_ARGS))
+    unknown = sorted(set(args) - set(known))
     if unknown:
         raise ValueError(
-            f"data set {spec.path!r}: unknown args {unknown}" + did_you_mean(unknown[0], DATASET_ARGS)
-            + f" (known: {list(DATASET_ARGS)})"
+            f"data set {spec.path!r}: unknown args {unknown}" + did_you_mean(unknown[0], known)
+            + f" (known: {list(known)})"
         )
     return args
+
+
+def _load_source_shard(spec: DatasetSpec, source: DataSource, tokenizer, rank: int,
+                       world: int) -> list[SequenceBatch]:
+    """A data source's samples of shard ``rank``: rows parsed (and checked) by the format's
+    parser, turned into samples by ``source.to_sample``, every ``world``-th from ``rank``."""
+    args = _parse_args(spec, _COMMON_ARGS + source.args)
+    args.pop("seed", None)
+    skip_bad = bool(args.pop("skip_bad_rows", False))
+    rows, bad = load_rows_report(spec.path, spec.format, skip_bad_rows=skip_bad)
+    samples = [b for b in (source.to_sample(r, tokenizer, args) for r in rows) if b is not None]
+    for b in samples:
+        missing = sorted(set(source.keys) - set(b.data) - set(b.metadata))
+        if missing or len(b) != 1:
+            raise ValueError(f"data source {spec.format!r}: to_sample must return one sample with keys "
+                             f"{list(source.keys)}; got {len(b)} sample(s) missing {missing}")
+    if rank == 0:
+        logger.info("data set %s (%s): kept %d/%d rows (bad: %d, filtered: %d)", spec.path, spec.format,
+                    len(samples), len(rows) + len(bad), len(bad), len(rows) - len(samples))
+    if len(samples) < world:
+        raise ValueError(f"data set {spec.path!r}: {len(samples)} samples left after filtering cannot feed "
+                         f"{world} data-parallel ranks")
+    return samples[rank::world]
 
 
 def load_dataset_shard(spec: DatasetSpec, tokenizer, rank: int, world: int) -> list[SequenceBatch]:
@@ -87,6 +149,8 @@ def load_dataset_shard(spec: DatasetSpec, tokenizer, rank: int, world: int) -> l
     The filter report (kept / too long / bad rows) is logged once, by rank 0.
     """
     dataset_keys(spec)  # an unknown format fails here, with the known ones
+    if spec.format in DATA_SOURCES:
+        return _load_source_shard(spec, DATA_SOURCES.get(spec.format), tokenizer, rank, world)
     kind = _kind(spec.format)
     args = _parse_args(spec)
     max_prompt_len = int(args.pop("max_prompt_len", 1024))

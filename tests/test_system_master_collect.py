@@ -89,3 +89,54 @@ def test_malformed_reply_names_the_mfc_and_worker(tmp_path):
     bad = {"stats": None, "outputs": {"ids": [0, 1], "seqlens": {}, "data": {}, "metadata": {}}}
     with pytest.raises(MasterError, match=r"MFC 'score': worker model_worker/1 returned malformed output"):
         master._collect([score], batch, {5: bad}, {5: (score, 1)}, {})
+
+
+def _serve_shards(master: Master, shards: dict[int, list[str]]) -> dict[int, list[str]]:
+    """Answer the master's fetch/drop requests from real ``ShardStream``s (what each model worker
+    runs) instead of over sockets; returns what each worker was told to drop."""
+    import torch
+
+    from realflow.system.data_stream import ShardStream
+
+    streams = {w: ShardStream([SequenceBatch([i], {"packed_prompts": [[1]]}, {"packed_prompts": torch.zeros(1)})
+                               for i in ids], seed=w + 1) for w, ids in shards.items()}
+    dropped: dict[int, list[str]] = {w: [] for w in shards}
+
+    def _all(handler, payload, timeout, workers=None):
+        out = {}
+        for w in (workers if workers is not None else sorted(streams)):
+            if handler == "fetch":
+                b, done = streams[w].next(payload["n"])
+                out[w] = {"batch": None if b is None else b.meta().to_wire(), "epoch_done": done}
+            else:
+                assert handler == "drop"
+                dropped[w].extend(payload["ids"])
+                out[w] = {"dropped": len(payload["ids"])}
+        return out
+
+    master._all = _all
+    return dropped
+
+
+def test_a_batch_straddling_an_epoch_boundary_takes_no_sample_twice(tmp_path):
+    master, _ = _master(tmp_path)
+    master.batch_size = 4
+    shards = {w: [f"w{w}-{i}" for i in range(5)] for w in range(2)}  # 10 samples: epochs end mid-batch
+    _serve_shards(master, shards)
+    counts: dict[str, int] = {}
+    for _ in range(10):
+        batch = master._fetch_batch()
+        assert len(batch) == 4 and len(set(batch.ids)) == 4, batch.ids
+        master.holders.drop(batch.ids)
+        for i in batch.ids:
+            counts[i] = counts.get(i, 0) + 1
+    assert sorted(counts) == sorted(shards[0] + shards[1])  # every sample trained
+    assert max(counts.values()) - min(counts.values()) <= 2 and master.epoch >= 3, (counts, master.epoch)
+
+
+def test_a_batch_larger_than_the_data_set_is_a_clear_error(tmp_path):
+    master, _ = _master(tmp_path)
+    master.batch_size = 12
+    _serve_shards(master, {w: [f"w{w}-{i}" for i in range(5)] for w in range(2)})
+    with pytest.raises(MasterError, match="batch_size=12 is larger than the data set: the workers hold 10 distinct"):
+        master._fetch_batch()

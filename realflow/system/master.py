@@ -236,27 +236,43 @@ class Master:
         return stats
 
     def _fetch_batch(self) -> SequenceBatch:
-        """Collect ``batch_size`` samples' metadata, spread evenly over the workers."""
+        """Collect ``batch_size`` samples' metadata, spread evenly over the workers.
+
+        A batch may straddle an epoch boundary: a worker whose epoch ended goes on with the
+        next epoch's order, and a sample it hands out again for this very batch is skipped in
+        the new epoch (it trains in this batch, at the old epoch's end). The worker then holds
+        that sample once (its data store keys samples by id), so it is left there, not dropped."""
         parts: list[SequenceBatch] = []
         need = self.batch_size
+        taken: set[str] = set()
         done_workers: set[int] = set()
+        idle_rounds = 0
         while need > 0:
             per = math.ceil(need / self.setup.n_workers)
             replies = self._all("fetch", {"n": per}, 120.0)
+            before = need
             for i in sorted(replies):
                 r = replies[i]
                 if r["batch"] is not None:
                     b = SequenceBatch.from_wire(r["batch"])
-                    if len(b) > need:  # we asked everyone; keep what we need, drop the rest
-                        self._all("drop", {"ids": b.ids[need:]}, 60.0, workers=[i])
-                        b = b.select_ids(b.ids[:need])
-                    self.holders.add(b.ids, [*b.seqlens, *b.metadata], i)
-                    parts.append(b)
-                    need -= len(b)
+                    new = [x for x in b.ids if x not in taken]
+                    if new[need:]:  # more than we need: back to the worker
+                        self._all("drop", {"ids": new[need:]}, 60.0, workers=[i])
+                    if len(new) > need or len(new) < len(b):
+                        b = b.select_ids(new[:need])
+                    if len(b):
+                        self.holders.add(b.ids, [*b.seqlens, *b.metadata], i)
+                        parts.append(b)
+                        taken.update(b.ids)
+                        need -= len(b)
                 if r["epoch_done"]:
                     done_workers.add(i)
                 if need <= 0:
                     break
+            idle_rounds = idle_rounds + 1 if need == before else 0
+            if idle_rounds > 2:
+                raise MasterError(f"batch_size={self.batch_size} is larger than the data set: the workers hold "
+                                  f"{self.batch_size - need} distinct samples")
         if len(done_workers) == self.setup.n_workers:
             self.epoch += 1
         return SequenceBatch.gather(parts)

@@ -127,6 +127,7 @@ class CalculatorConfig(AsyncGRPOMathConfig):
         agent="calculator", agent_args={"n_samples": 4, "export": "completion", "turn_discount": 0.9,
                                         "max_tokens": 40}))
     tool_share: float = field(default=0.5, metadata={"help": "share of SFT demonstrations that call the tool"})
+    sft_steps: int = field(default=SFT_STEPS, metadata={"help": "steps of the SFT start (trained when absent)"})
     batch_size: int = field(default=16, metadata={"help": "rollouts (prompts, each a group) per train step"})
     max_train_steps: int = field(default=40, metadata={"help": "train steps"})
     actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
@@ -173,7 +174,7 @@ class CalculatorConfig(AsyncGRPOMathConfig):
                f"dataset.train_path={os.path.join(d, 'sft_train.jsonl')}",
                f"dataset.test_path={os.path.join(d, 'sft_test.jsonl')}", "model.arch.hidden_size=64",
                "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=128", "batch_size=32",
-               f"max_train_steps={SFT_STEPS}", "optimizer.lr=3e-3", "eval_max_new_tokens=40", "total_train_epochs=20",
+               f"max_train_steps={self.sft_steps}", "optimizer.lr=3e-3", "eval_max_new_tokens=40", "total_train_epochs=20",
                "dataset.max_prompt_len=120",
                f"n_workers={self.n_workers}"]
         print(f"no SFT start at {actor}: {' '.join(cmd[1:])}", flush=True)

@@ -25,6 +25,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 # Bump when the text a seed produces changes, so cached files are rebuilt.
 GENERATOR_VERSION = 2
@@ -100,26 +101,36 @@ def _problem_space(difficulty: int, ops: str) -> int:
     return total
 
 
+def draw_unseen(draw: Callable[[], Any], n: int, exclude: set[str], unique: bool,
+                too_few: Callable[[], str]) -> Iterator[Any]:
+    """``n`` problems from ``draw()`` whose ``prompt`` is not in ``exclude`` (nor, if ``unique``,
+    drawn before); ``too_few()`` is the error once misses show the space is nearly exhausted.
+    Lazy, so a caller may draw more from the same RNG between problems (shared by the tasks)."""
+    seen = set(exclude)
+    misses = taken = 0
+    while taken < n:
+        p = draw()
+        if p.prompt in seen:
+            misses += 1
+            if misses > 100 * n + 10_000:
+                raise ValueError(too_few())
+            continue
+        if unique:
+            seen.add(p.prompt)
+        taken += 1
+        yield p
+
+
 def _draw_rows(rng: random.Random, n: int, prefix: str, difficulty: int, ops: str, style: str,
                exclude: set[str], unique: bool) -> list[dict]:
     """``n`` rows drawn i.i.d., skipping prompts in ``exclude`` (and, if ``unique``,
     repeats). Train rows may repeat -- short problems are few, and dropping the
     repeats would skew the mix of lengths away from the test split's."""
     rows: list[dict] = []
-    seen = set(exclude)
-    misses = 0
-    while len(rows) < n:
-        p = sample_problem(rng, difficulty, ops)
-        if p.prompt in seen:
-            misses += 1
-            if misses > 100 * n + 10_000:
-                raise ValueError(
-                    f"arithmetic: cannot draw {n} {prefix} problems at difficulty={difficulty} "
-                    f"ops={ops!r} ({_problem_space(difficulty, ops)} distinct problems exist); "
-                    "lower n_test or raise difficulty")
-            continue
-        if unique:
-            seen.add(p.prompt)
+    too_few = (lambda: f"arithmetic: cannot draw {n} {prefix} problems at difficulty={difficulty} "
+               f"ops={ops!r} ({_problem_space(difficulty, ops)} distinct problems exist); "
+               "lower n_test or raise difficulty")
+    for p in draw_unseen(lambda: sample_problem(rng, difficulty, ops), n, exclude, unique, too_few):
         answer = str(p.result)
         rows.append({"id": f"{prefix}-{len(rows):06d}", "prompt": p.prompt, "answer": answer,
                      "solution": solution_text(answer, style), "op": p.op, "digits": len(str(p.a))})

@@ -44,7 +44,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from experiments.tasks.arithmetic import ArithmeticDataset, write_splits_once
+from experiments.tasks.arithmetic import ArithmeticDataset, draw_unseen, write_splits_once
 
 # Bump when the text a seed produces changes, so cached files are rebuilt.
 GENERATOR_VERSION = 1
@@ -114,18 +114,9 @@ def _draw_rows(rng: random.Random, n: int, prefix: str, difficulty: int, kinds: 
     train rows may repeat, as in the arithmetic task, so the mix of kinds stays the test split's.
     A ``bug_rate`` fraction of the rows get a buggy ``solution`` (bug uniform over those that apply)."""
     rows: list[dict] = []
-    seen = set(exclude)
-    misses = 0
-    while len(rows) < n:
-        p = sample_problem(rng, difficulty, kinds)
-        if p.prompt in seen:
-            misses += 1
-            if misses > 100 * n + 10_000:
-                raise ValueError(f"code_expr: cannot draw {n} {prefix} problems at difficulty={difficulty} "
-                                 "(too few distinct prompts); lower n_test or raise difficulty")
-            continue
-        if unique:
-            seen.add(p.prompt)
+    too_few = (lambda: f"code_expr: cannot draw {n} {prefix} problems at difficulty={difficulty} "
+               "(too few distinct prompts); lower n_test or raise difficulty")
+    for p in draw_unseen(lambda: sample_problem(rng, difficulty, kinds), n, exclude, unique, too_few):
         bug = ""
         if rng.random() < bug_rate:
             bugs = [b for b in BUGS if b != "sign" or p.b != 0]

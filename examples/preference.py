@@ -10,10 +10,12 @@ as in real preference data, some errors are easier to spot than others::
 
     {"id": "train-000017", "prompt": "47+38=", "chosen": "58 #### 85", "rejected": "58 #### 86"}
 
-Format ``preference`` (rows: ``prompt``, ``chosen``, ``rejected``; bad rows are reported
-with file and line like any data set) and data source ``preference``: every row becomes
-one sample of two sequences in ``packed_input_ids`` -- prompt + chosen + eos, then
-prompt + rejected + eos -- with ``prompt_mask`` marking the prompt tokens of both.
+Format ``preference`` (rows: ``prompt``, ``chosen``, ``rejected``, optionally ``ref_logps``:
+a reference model's summed response log-probs ``[chosen, rejected]``, which DPO's held-out
+evaluation reads; bad rows are reported with file and line like any data set) and data
+source ``preference``: every row becomes one sample of two sequences in
+``packed_input_ids`` -- prompt + chosen + eos, then prompt + rejected + eos -- with
+``prompt_mask`` marking the prompt tokens of both, and metadata ``ref_logps`` (None if absent).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class PreferenceRow:
     prompt: str
     chosen: str
     rejected: str
+    ref_logps: Optional[tuple[float, float]] = None
 
 
 @DATASET_FORMATS.register("preference")
@@ -51,21 +54,33 @@ def parse_preference(raw: dict) -> PreferenceRow:
         fields.append(v)
     if fields[1] == fields[2]:
         raise ValueError("'chosen' and 'rejected' are the same text")
-    return PreferenceRow("", *fields)
+    ref = raw.get("ref_logps")
+    if ref is not None:
+        if (not isinstance(ref, list) or len(ref) != 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in ref)):
+            raise ValueError(f"field 'ref_logps' must be two numbers [chosen, rejected], got {ref!r}")
+        ref = (float(ref[0]), float(ref[1]))
+    return PreferenceRow("", *fields, ref_logps=ref)
 
 
-@register_data_source("preference", keys=PAIR_KEYS, args=("max_seq_len",))
+def pair_token_ids(tokenizer: Any, prompt: str, responses: tuple[str, str]) -> tuple[list[int], list[list[int]]]:
+    """(prompt ids, [prompt + response + eos for each response]): how every consumer tokenizes a pair."""
+    p = list(tokenizer(prompt)["input_ids"])
+    return p, [p + list(tokenizer(r, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+               for r in responses]
+
+
+@register_data_source("preference", keys=PAIR_KEYS + ("ref_logps",), args=("max_seq_len",))
 def pair_sample(row: PreferenceRow, tokenizer: Any, args: dict[str, Any]) -> Optional[SequenceBatch]:
     """Two sequences (chosen, rejected) sharing the prompt's tokens; None when one is too long."""
-    prompt = list(tokenizer(row.prompt)["input_ids"])
-    seqs = [prompt + list(tokenizer(r, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
-            for r in (row.chosen, row.rejected)]
+    prompt, seqs = pair_token_ids(tokenizer, row.prompt, (row.chosen, row.rejected))
     if max(map(len, seqs)) > int(args.get("max_seq_len", 256)):
         return None
     mask = [i < len(prompt) for s in seqs for i in range(len(s))]
     return SequenceBatch(ids=[row.id], seqlens={k: [[len(s) for s in seqs]] for k in PAIR_KEYS},
                          data={"packed_input_ids": torch.tensor(seqs[0] + seqs[1], dtype=torch.long),
-                               "prompt_mask": torch.tensor(mask, dtype=torch.bool)})
+                               "prompt_mask": torch.tensor(mask, dtype=torch.bool)},
+                         metadata={"ref_logps": [None if row.ref_logps is None else list(row.ref_logps)]})
 
 
 def wrong_answer(answer: int, rng: random.Random) -> int:

@@ -71,6 +71,23 @@ def test_clean_stop_is_not_loss_and_expected_silence_is():
         assert mon.last_seen("quiet") is None
 
 
+def test_a_starved_monitor_does_not_declare_live_workers_lost():
+    """Silence is judged by what the monitor has read: while its thread cannot run (here: blocked
+    on its lock; in a run: a long GIL-holding call in the master on an overloaded host) beats pile
+    up unread, and a worker beating all along must not be reported lost when it looks again."""
+    with HeartbeatMonitor(SECRET, timeout=0.5) as mon:
+        hb = Heartbeater("alive", mon.address, SECRET, interval=0.1).start()
+        try:
+            wait_until(lambda: mon.last_seen("alive") is not None, 10, "a beat from 'alive'")
+            with mon._lock:  # the monitor thread blocks in its next beat's bookkeeping
+                time.sleep(1.5)
+            assert mon.lost_workers() == []
+            time.sleep(0.3)
+            assert mon.lost_workers() == []
+        finally:
+            hb.stop()
+
+
 def test_forged_beats_are_dropped():
     with HeartbeatMonitor(SECRET, timeout=1.0) as mon:
         pub = zmq.Context.instance().socket(zmq.PUB)

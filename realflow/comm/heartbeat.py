@@ -132,6 +132,11 @@ class HeartbeatMonitor:
         self._status: dict[str, Any] = {}
         self._expected_since: dict[str, float] = {}
         self._left: set[str] = set()
+        # When the monitor thread last found its socket empty: beats older than this have all been
+        # counted. Silence is judged against it, not against "now", so a monitor thread starved of
+        # the GIL or the CPU (a long C call in the owning process, an overloaded host) makes the
+        # verdict wait instead of declaring live workers lost on beats it simply has not read yet.
+        self._drained_mono = time.monotonic()
         self._drop = DropLog("heartbeat monitor", "beat")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat-monitor", daemon=True)
@@ -156,12 +161,13 @@ class HeartbeatMonitor:
         return self._drop.count
 
     def lost_workers(self) -> list[str]:
-        """Expected or seen workers without a valid beat for more than ``timeout`` seconds."""
-        now = time.monotonic()
+        """Expected or seen workers without a valid beat for more than ``timeout`` seconds of the
+        monitor's reading time (up to its last drain of the socket: see ``_drained_mono``)."""
         with self._lock:
+            ref = self._drained_mono
             names = (set(self._expected_since) | set(self._last_mono)) - self._left
             return sorted(n for n in names
-                          if now - self._last_mono.get(n, self._expected_since.get(n, now)) > self.timeout)
+                          if ref - self._last_mono.get(n, self._expected_since.get(n, ref)) > self.timeout)
 
     def last_seen(self, worker: str) -> float | None:
         """``time.time()`` when the last valid beat of ``worker`` arrived; None if never."""
@@ -192,14 +198,16 @@ class HeartbeatMonitor:
         sock = self._sock
         try:
             while not self._stop.is_set():
-                if not sock.poll(100, zmq.POLLIN):
-                    continue
-                while True:
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._handle(frames)
+                if sock.poll(100, zmq.POLLIN):
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                drained = time.monotonic()  # taken after the socket was found empty
+                with self._lock:
+                    self._drained_mono = drained
         finally:
             sock.close()
 

@@ -17,15 +17,13 @@ from __future__ import annotations
 import ast
 import json
 import operator
-import os
 import random
-import subprocess
-import sys
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from examples.agents.math_retry import final_answer
-from experiments.async_ppo_math import AsyncGRPOMathConfig, AsyncRolloutConfig
+from examples.agents.own_start import OwnStartAgentConfig
+from experiments.async_ppo_math import AsyncRolloutConfig
 from experiments.ppo_math import PPOHyperConfig, RLDataConfig
 from realflow.api.agent_function import openai_client, register_agent_function
 from realflow.api.experiment import OptimizerConfig, register_experiment
@@ -35,7 +33,6 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.USub: operator.neg}
-SFT_STEPS = 2500
 # Tool markup as whole tokens, as in Qwen's vocabulary (a turn then reads the same whether the
 # model generated it or the chat template wrote it), and -- a concession to a 64-wide model that
 # has seen no JSON before -- the call's fixed JSON around the expression as one token each.
@@ -108,16 +105,9 @@ def make_rows(n: int, seed: int, tool_share: float) -> tuple[list[dict], list[di
     return sft, rl
 
 
-def _write(path: str, rows: list[dict]) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(tmp, path)
-
-
 @register_experiment("agent-calculator")
 @dataclass
-class CalculatorConfig(AsyncGRPOMathConfig):
+class CalculatorConfig(OwnStartAgentConfig):
     """Asynchronous GRPO of the tool-calling ``calculator`` agent (a user package)."""
 
     dataset: RLDataConfig = field(default_factory=lambda: RLDataConfig(task="arithmetic", n_train=4000, n_test=64))
@@ -127,56 +117,21 @@ class CalculatorConfig(AsyncGRPOMathConfig):
         agent="calculator", agent_args={"n_samples": 4, "export": "completion", "turn_discount": 0.9,
                                         "max_tokens": 40}))
     tool_share: float = field(default=0.5, metadata={"help": "share of SFT demonstrations that call the tool"})
-    sft_steps: int = field(default=SFT_STEPS, metadata={"help": "steps of the SFT start (trained when absent)"})
     batch_size: int = field(default=16, metadata={"help": "rollouts (prompts, each a group) per train step"})
     max_train_steps: int = field(default=40, metadata={"help": "train steps"})
     actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
         lr=1e-4, weight_decay=0.0, warmup_steps_proportion=0.0, lr_scheduler_type="constant"))
 
     _name = "agent-calculator"
+    _start_name = "calculator"
+    _markup = MARKUP
+    _sft_extra = ("eval_max_new_tokens=40", "dataset.max_prompt_len=120")
 
-    def _data_dir(self) -> str:
-        return os.path.abspath(os.path.join(self.fileroot, "data", f"calculator-v{DATA_VERSION}-"
-                                            f"t{self.tool_share:g}-s{self.dataset.data_seed}"))
+    def _data_tag(self) -> str:
+        return f"calculator-v{DATA_VERSION}-t{self.tool_share:g}"
 
-    def _paths(self) -> tuple[str, str, str, str]:
-        actor = self.model.path or os.path.join(self.fileroot, "sft", "calculator", "checkpoints", "default",
-                                                "final")
-        d = self._data_dir()
-        return actor, self.model.tokenizer_path or actor, os.path.join(d, "rl_train.jsonl"), \
-            os.path.join(d, "rl_test.jsonl")
-
-    def planned_actor_config(self) -> Optional[dict]:
-        return None  # the SFT start's arch is this example's own (below)
+    def make_rows(self, n: int, seed: int) -> tuple[list[dict], list[dict]]:
+        return make_rows(n, seed, self.tool_share)
 
     def _eval_spec(self, test: str, data_args: dict[str, Any]) -> Any:
         return None  # held-out greedy answers without the tool would not measure this agent
-
-    def prepare(self) -> None:
-        actor, _, train, test = self._paths()
-        d = self._data_dir()
-        if not os.path.isfile(train):
-            os.makedirs(d, exist_ok=True)
-            sft, rl = make_rows(self.dataset.n_train, self.dataset.data_seed, self.tool_share)
-            sft_test, rl_test = make_rows(self.dataset.n_test, self.dataset.data_seed + 1000, self.tool_share)
-            _write(os.path.join(d, "sft_train.jsonl"), sft)
-            _write(os.path.join(d, "sft_test.jsonl"), sft_test)
-            _write(test, rl_test)
-            _write(train, rl)
-        if self.model.path or os.path.isfile(os.path.join(actor, "config.json")):
-            return
-        from experiments.tasks.tokenizer import ensure_tokenizer
-
-        tok = ensure_tokenizer(os.path.join(d, "tokenizer"), [os.path.join(d, "sft_train.jsonl")],
-                               extra_tokens=MARKUP)
-        cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={self.fileroot}", "trial_name=calculator",
-               f"model.tokenizer_path={tok}",
-               f"dataset.train_path={os.path.join(d, 'sft_train.jsonl')}",
-               f"dataset.test_path={os.path.join(d, 'sft_test.jsonl')}", "model.arch.hidden_size=64",
-               "model.arch.num_hidden_layers=2", "model.arch.intermediate_size=128", "batch_size=32",
-               f"max_train_steps={self.sft_steps}", "optimizer.lr=3e-3", "eval_max_new_tokens=40", "total_train_epochs=20",
-               "dataset.max_prompt_len=120",
-               f"n_workers={self.n_workers}"]
-        print(f"no SFT start at {actor}: {' '.join(cmd[1:])}", flush=True)
-        if subprocess.run(cmd, timeout=1800).returncode != 0 or not os.path.isfile(os.path.join(actor, "config.json")):
-            raise RuntimeError(f"the calculator SFT run producing {actor} failed; see its output above")

@@ -1,8 +1,9 @@
 """The DPO example (``examples/dpo``, a user package) end to end through the launcher, with the
 reference model in its own layout (tensor-parallel, offloaded after every call) while the
 policy trains data-parallel: the reference's log-probs cross layouts and processes intact,
-and DPO trains. (Its learning is not asserted yet: from this 64-wide start 60 steps moved the
-held-out margin only to +0.017, accuracy 0.54 -> 0.53; tuning is open work.)"""
+and DPO learns: 60 steps from the small start raise held-out preference accuracy (measured
+0.54 -> 0.61) and the implicit reward margin (0 -> +0.05); the default (128-wide start, 150
+steps) measured 0.48 -> 0.61, margin +0.22 (README)."""
 from __future__ import annotations
 
 import json
@@ -35,5 +36,7 @@ def test_dpo_with_reference_in_another_layout_trains_from_exact_reference_logpro
     assert abs(train[0]["dpo_train/margin"]) < 1e-4 and abs(train[0]["dpo_train/loss"] - 0.6931) < 1e-3
     assert abs(evals[0]["eval/reward_margin"]) < 1e-4, evals[0]
     after = evals[-1]
-    assert after["step"] == STEPS and abs(after["eval/reward_margin"]) > 1e-3, evals  # the policy moved
+    assert after["step"] == STEPS, evals
+    assert after["eval/reward_margin"] > 0.02, evals  # chosen answers gained on rejected ones
+    assert after["eval/pref_accuracy"] > evals[0]["eval/pref_accuracy"], evals
     assert all(r["dpo_train/update_successful"] == 1.0 for r in train)

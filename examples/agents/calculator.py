@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from examples.agents.math_retry import final_answer
-from examples.agents.own_start import OwnStartAgentConfig
-from experiments.async_ppo_math import AsyncRolloutConfig
+from examples.own_start import OwnStartMixin
+from experiments.async_ppo_math import AsyncGRPOMathConfig, AsyncRolloutConfig
 from experiments.ppo_math import PPOHyperConfig, RLDataConfig
 from realflow.api.agent_function import openai_client, register_agent_function
 from realflow.api.experiment import OptimizerConfig, register_experiment
@@ -107,7 +107,7 @@ def make_rows(n: int, seed: int, tool_share: float) -> tuple[list[dict], list[di
 
 @register_experiment("agent-calculator")
 @dataclass
-class CalculatorConfig(OwnStartAgentConfig):
+class CalculatorConfig(OwnStartMixin, AsyncGRPOMathConfig):
     """Asynchronous GRPO of the tool-calling ``calculator`` agent (a user package)."""
 
     dataset: RLDataConfig = field(default_factory=lambda: RLDataConfig(task="arithmetic", n_train=4000, n_test=64))

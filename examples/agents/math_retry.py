@@ -17,22 +17,21 @@ answer leaves every group's rewards equal). RL removes the slips.
 """
 from __future__ import annotations
 
-import random
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from examples.agents.own_start import OwnStartAgentConfig
-from experiments.async_ppo_math import AsyncRolloutConfig
+from examples.careless import careless_rows
+from examples.own_start import OwnStartMixin
+from experiments.async_ppo_math import AsyncGRPOMathConfig, AsyncRolloutConfig
 from experiments.ppo_math import PPOHyperConfig, RLDataConfig
-from experiments.tasks.arithmetic import sample_problem, solution_text
 from realflow.api.agent_function import openai_client, register_agent_function
 from realflow.api.experiment import OptimizerConfig, register_experiment
 
 FEEDBACK = "wrong, try again: "
 MAX_TURNS = 2
 RETRY_CREDIT = 0.5  # reward of an answer right on the second try
-DATA_VERSION = 1
+DATA_VERSION = 2
 _ANSWER = re.compile(r"####\s*(-?\d+)")
 
 
@@ -56,36 +55,9 @@ async def run_agent_return_reward(data: dict[str, Any]) -> float:
     return 0.0
 
 
-def near_miss(rng: random.Random, result: int) -> int:
-    """A plausible wrong answer: off by one or two in the last digit, or by ten."""
-    wrong = result + rng.choice((-10, -2, -1, 1, 2, 10))
-    return wrong if wrong >= 0 and wrong != result else result + 1
-
-
-def make_rows(n: int, seed: int, difficulty: int, slip_rate: float) -> tuple[list[dict], list[dict]]:
-    """(SFT demonstrations, RL rows) for ``n`` arithmetic problems.
-
-    A demonstration is the conversation the agent will hold, in the plain chat layout
-    (``PLAIN_CHAT_TEMPLATE``: turns back to back, an answer ends with ``</s>``)."""
-    rng = random.Random(f"math-retry:{seed}")
-    sft, rl = [], []
-    for i in range(n):
-        p = sample_problem(rng, difficulty)
-        answer, good = str(p.result), solution_text(str(p.result))
-        rl.append({"id": f"retry-{seed}-{i}", "prompt": p.prompt, "answer": answer})
-        if rng.random() < slip_rate:
-            wrong = str(near_miss(rng, p.result))
-            bad = solution_text(wrong)
-            sft.append({"prompt": p.prompt, "solution": bad, "answer": wrong})
-            sft.append({"prompt": f"{p.prompt}{bad}</s>{FEEDBACK}{p.prompt}", "solution": good, "answer": answer})
-        else:
-            sft.append({"prompt": p.prompt, "solution": good, "answer": answer})
-    return sft, rl
-
-
 @register_experiment("agent-math-retry")
 @dataclass
-class MathRetryConfig(OwnStartAgentConfig):
+class MathRetryConfig(OwnStartMixin, AsyncGRPOMathConfig):
     """Asynchronous GRPO of the multi-turn ``math_retry`` agent on arithmetic (a user package)."""
 
     dataset: RLDataConfig = field(default_factory=lambda: RLDataConfig(task="arithmetic", difficulty=2,
@@ -108,4 +80,5 @@ class MathRetryConfig(OwnStartAgentConfig):
         return f"math-retry-v{DATA_VERSION}-d{self._difficulty()}-slip{self.slip_rate:g}"
 
     def make_rows(self, n: int, seed: int) -> tuple[list[dict], list[dict]]:
-        return make_rows(n, seed, self._difficulty(), self.slip_rate)
+        return careless_rows(n, seed, self._difficulty(), self.slip_rate, "math-retry",
+                             retry_feedback=FEEDBACK)

@@ -35,7 +35,7 @@ class DPOConfig(PairExperimentBase):
     beta: float = field(default=0.1, metadata={"help": "DPO temperature: scale of the implicit reward"})
     ref_offload: bool = field(default=False, metadata={"help": "offload the reference after each call"})
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
-        lr=1e-4, weight_decay=0.0, warmup_steps_proportion=0.05, lr_scheduler_type="constant"))
+        lr=5e-4, weight_decay=0.0, warmup_steps_proportion=0.05, lr_scheduler_type="constant"))
     total_train_epochs: int = field(default=3, metadata={"help": "passes over the pairs"})
     max_train_steps: Optional[int] = field(default=150, metadata={"help": "stop after this many steps"})
     eval_freq_steps: int = field(default=50, metadata={"help": "evaluate every N steps (0 = before and after)"})

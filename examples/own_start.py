@@ -1,11 +1,13 @@
-"""An agent example that makes its own SFT start from demonstrations it generates.
+"""Examples that make their own SFT start from demonstrations they generate.
 
-Why: an agent's habits (calling a tool, answering again after feedback) are in no
-general-purpose start a CPU can train in minutes, so each example writes its
-demonstrations and RL problems once under ``<fileroot>/data/<tag>`` and trains a tiny
-start on them with ``main_sft`` when no checkpoint is there yet -- as a user would,
-through the public entry points only. A subclass says what its rows look like
-(:meth:`make_rows`) and how its SFT run differs (:attr:`_sft_extra`).
+Why: the habits an example's RL works on (calling a tool, answering again after
+feedback, a careless solver's slips that RL or rejection sampling should remove) are
+in no general-purpose start a CPU can train in minutes, so each such example writes
+its demonstrations and RL problems once under ``<fileroot>/data/<tag>`` and trains a
+tiny start on them with ``main_sft`` when no checkpoint is there yet -- as a user
+would, through the public entry points only. Mix :class:`OwnStartMixin` in before the
+shipped experiment config it builds on; say what the rows look like (:meth:`make_rows`)
+and how the SFT run differs (:attr:`_sft_extra`).
 """
 from __future__ import annotations
 
@@ -15,8 +17,6 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
-
-from experiments.async_ppo_math import AsyncGRPOMathConfig
 
 SFT_TIMEOUT_S = 1800
 
@@ -30,8 +30,11 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 
 @dataclass
-class OwnStartAgentConfig(AsyncGRPOMathConfig):
-    """Asynchronous GRPO of an agent whose SFT start this example trains itself."""
+class OwnStartMixin:
+    """The start, data and held-out rows of an experiment config (GRPO-math family) made here.
+
+    Mixed in first (``class C(OwnStartMixin, GRPOMathConfig)``) it replaces the config's
+    paths, its ``prepare`` and its planned start; everything else stays the config's."""
 
     sft_steps: int = field(default=2500, metadata={"help": "steps of the SFT start (trained when absent)"})
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,10 @@ def offline_env(tmp_path, monkeypatch):
     return tmp_path
 
 
+def _next_wall_second() -> None:
+    time.sleep(1.0 - time.time() % 1.0 + 0.05)
+
+
 def test_offline_run_logs_every_row_and_a_relaunch_resumes_the_same_run(offline_env):
     run_dir = offline_env / "exp" / "trial0"
     cfg = WandbConfig(mode="offline", tags=["unit"])
@@ -106,7 +111,10 @@ def test_offline_run_logs_every_row_and_a_relaunch_resumes_the_same_run(offline_
     assert hist[3] == {"actor_train/loss": pytest.approx(1 / 3), "actor_train/reward": 0.75, "eval/accuracy": 0.5}
     assert [r["step"] for r in read_jsonl(run_dir / "stats.jsonl")] == [1, 2, 3, 3]  # the jsonl is unchanged
 
-    # a relaunch from the recover point of step 2 continues the same W&B run id
+    # a relaunch from the recover point of step 2 continues the same W&B run id. W&B names an
+    # offline attempt's directory offline-run-<YYYYmmdd_HHMMSS>-<id>: a relaunch within the same
+    # second (only possible here, real relaunches take seconds) would share the first one's
+    _next_wall_second()
     with StatsLogger(run_dir, tensorboard=False, wandb=cfg, run_name="exp/trial0", config=config,
                      resume_step=2) as sl:
         sl.log(3, {"loss": 0.125}, prefix="actor_train")

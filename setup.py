@@ -15,6 +15,7 @@ setup(
     description="Dataflow-graph execution engine for RL post-training of LLMs",
     python_requires=">=3.10",
     packages=find_packages(include=[p for pkg in PACKAGES for p in (pkg, pkg + ".*")]),
+    package_data={"realflow.system.planner": ["profiles/*.json"]},  # device profiles the planner ships
     install_requires=[
         "torch==2.13.0",
         "megatron-core==0.16.1",

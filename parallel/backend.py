@@ -112,15 +112,16 @@ class MegatronBackend:
     # ---- plan-time checks (realflow.api.backend.ModelBackend, optional methods) ----------------
 
     def check_layout(self, spec: Any, strategy: ParallelStrategy, trained: bool,
-                     n_workers_per_host: int) -> Optional[str]:
+                     n_workers_per_host: int, capacity_bytes: Optional[int] = None) -> Optional[str]:
         """Raise :class:`LayoutError` when megatron cannot build ``spec`` as ``strategy`` or it cannot fit.
 
         Structural limits are megatron's (and our HF loader's): tp must divide the
         attention heads, the KV heads (the fused qkv is split by whole query groups),
         the SwiGLU width and the padded vocabulary; pp must divide the layers. Memory
         is a lower bound (weights, plus fp32 grads and sharded Adam states when
-        trained; activations and KV cache come on top) against a capacity, so the
-        check is deterministic on every process.
+        trained; activations and KV cache come on top) against a capacity (this
+        machine's, or ``capacity_bytes`` for a planned cluster), so the check is
+        deterministic on every process.
         """
         cfg = read_hf_config(spec.path)
         planned = cfg is None and spec.expected_config is not None
@@ -149,7 +150,10 @@ class MegatronBackend:
                               f"(megatron needs the same number of layers on every stage)")
         overrides = spec.backend_args.get("config_overrides") or {}
         params, need = estimate_rank_bytes(cfg, strategy, trained, _low_precision(overrides))
-        have, where = _memory_per_worker(n_workers_per_host)
+        if capacity_bytes is None:
+            have, where = _memory_per_worker(n_workers_per_host)
+        else:
+            have, where = int(capacity_bytes), "the planned device's memory"
         if need > have:
             state = "weights + fp32 grads + Adam states" if trained else "weights"
             raise LayoutError(
@@ -157,6 +161,12 @@ class MegatronBackend:
                 f"{_gib(need)} ({state}) but a worker has {_gib(have)} ({where})"
             )
         return None
+
+    def rank_state_bytes(self, cfg: dict[str, Any], strategy: ParallelStrategy, trained: bool,
+                         low_precision: bool = False) -> tuple[int, int]:
+        """(parameters, bytes) of the most loaded rank's resident state (the planner's memory
+        estimate: the same rule the layout check applies)."""
+        return estimate_rank_bytes(cfg, strategy, trained, low_precision)
 
     def check_same_architecture(self, source: Any, target: Any) -> Optional[str]:
         """Raise :class:`LayoutError` unless both checkpoints have the same architecture fields."""

@@ -39,11 +39,12 @@ class ModelBackend(Protocol):
     # ---- optional: model-aware plan checks (looked up with getattr) -----------------------------
 
     def check_layout(self, spec: ModelSpec, strategy: ParallelStrategy, trained: bool,
-                     n_workers_per_host: int) -> Optional[str]:
+                     n_workers_per_host: int, capacity_bytes: Optional[int] = None) -> Optional[str]:
         """Raise :class:`LayoutError` if ``spec`` cannot run as ``strategy``.
 
         ``trained``: the layout also holds gradients and optimizer states.
         ``n_workers_per_host``: workers sharing one host's memory (CPU) or 1 per device.
+        ``capacity_bytes``: a worker's memory on a planned cluster (passed only when planning).
         Must be deterministic (every process compiles the same plan), so memory limits
         are capacities, not momentary free memory. Returns a note when something could
         not be checked (e.g. the checkpoint does not exist yet in a dry run), else None.
@@ -80,7 +81,7 @@ class NoModelBackend:
         return None
 
     def check_layout(self, spec: ModelSpec, strategy: ParallelStrategy, trained: bool,
-                     n_workers_per_host: int) -> Optional[str]:
+                     n_workers_per_host: int, capacity_bytes: Optional[int] = None) -> Optional[str]:
         if trained:
             raise LayoutError(f"role {spec.role!r} has no model (backend 'none') and cannot be trained")
         return None

@@ -187,7 +187,8 @@ class BaseExperimentConfig:
     fileroot: str = field(default="outputs", metadata={"help": "directory for runs, checkpoints and logs"})
     seed: int = field(default=1, metadata={"help": "global seed"})
     n_workers: int = field(default=2, metadata={"help": "number of model worker processes"})
-    allocation: str = field(default="", metadata={"help": "parallel strategy, e.g. d2 ('' = dN over all workers)"})
+    allocation: str = field(default="", metadata={
+        "help": "parallel strategy, e.g. d2 ('' = dN over all workers; auto = the planner's best for this machine)"})
     worker_threads: int = field(default=1, metadata={"help": "torch threads per model worker process"})
     trace: bool = field(default=True, metadata={"help": "write a Perfetto/Chrome timeline trace per process"})
     name_resolve: NameResolveConfig = field(default_factory=NameResolveConfig)

@@ -75,7 +75,21 @@ class Layout:
 
     def short(self) -> str:
         s = self.strategy
-        return f"d{s.dp}t{s.tp}p{s.pp}@{list(self.workers)}"
+        return f"d{s.dp}t{s.tp}p{s.pp}@{_workers_text(self.workers)}"
 
     def __str__(self) -> str:
         return self.short()
+
+
+def _workers_text(workers: tuple[int, ...]) -> str:
+    """``[0, 1]`` for a few workers; runs as ranges (``[0-1023]``) once the list gets long."""
+    if len(workers) <= 8:
+        return str(list(workers))
+    runs, start = [], 0
+    for i in range(1, len(workers) + 1):
+        if i == len(workers) or workers[i] != workers[i - 1] + 1:
+            a, b = workers[start], workers[i - 1]
+            runs.append(f"{a}-{b}" if b > a else str(a))
+            start = i
+    return "[" + ", ".join(runs) + "]"
+

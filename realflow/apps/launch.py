@@ -83,6 +83,14 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
             return 0
         cfg = parse_overrides(cls, overrides)
         setup = cfg.setup()
+        if setup.allocation == "auto":  # the workers get the choice, not the search
+            from realflow.system.planner.auto import choose_allocation
+
+            chosen, why = choose_allocation(setup)
+            print(why, flush=True)
+            overrides = [*overrides, f"allocation={chosen}"]
+            cfg = parse_overrides(cls, overrides)
+            setup = cfg.setup()
         plan = compile_plan(setup)
         plan.graph.check_references(roles=setup.models)  # interfaces registered (plugins are imported by now)
         check_installed(setup.wandb)  # here, not in the master: a missing optional package is a usage error

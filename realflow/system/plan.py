@@ -80,11 +80,14 @@ class ExecutionPlan:
         return draw_plan(self, pathlib.Path(path_png))
 
 
-def compile_plan(setup: ExperimentSetup, graph: DataFlowGraph | None = None) -> ExecutionPlan:
+def compile_plan(setup: ExperimentSetup, graph: DataFlowGraph | None = None,
+                 capacity_bytes: Optional[int] = None) -> ExecutionPlan:
     """Turn ``setup`` into an :class:`ExecutionPlan`, or raise :class:`PlanError`.
 
     Allocation-string errors raise :class:`~realflow.api.allocation.AllocationError`
-    (a ``ValueError`` too) with the grammar.
+    (a ``ValueError`` too) with the grammar. ``capacity_bytes``: a worker's memory for the
+    layout checks when the plan is for another machine (the planner's simulated clusters);
+    None = this machine's.
     """
     if graph is None:
         graph = build_graph(setup)
@@ -104,7 +107,7 @@ def compile_plan(setup: ExperimentSetup, graph: DataFlowGraph | None = None) -> 
         raise PlanError(f"evaluation role '{setup.eval.role}' is not used by any MFC")
     notes: list[str] = []
     backends = {role: _backend(setup, role) for role in graph.roles()}
-    _check_layouts(setup, graph, placements, homes, backends, notes)
+    _check_layouts(setup, graph, placements, homes, backends, notes, capacity_bytes)
 
     def arch_check(src: str, dst: str) -> Optional[str]:
         check = getattr(backends[src], "check_same_architecture", None)
@@ -138,7 +141,8 @@ def _backend(setup: ExperimentSetup, role: str) -> Any:
 
 
 def _check_layouts(setup: ExperimentSetup, graph: DataFlowGraph, placements: dict[str, MFCPlacement],
-                   homes: dict[str, Layout], backends: dict[str, Any], notes: list[str]) -> None:
+                   homes: dict[str, Layout], backends: dict[str, Any], notes: list[str],
+                   capacity_bytes: Optional[int] = None) -> None:
     """Ask each role's backend whether every MFC layout of the role can work (once per distinct layout).
 
     A layout is checked as trained when it is the home of a trained role: that is where
@@ -159,7 +163,8 @@ def _check_layouts(setup: ExperimentSetup, graph: DataFlowGraph, placements: dic
             notes.append(f"backend '{setup.models[p.role].backend}' of role '{p.role}' does not check layouts")
             continue
         try:
-            note = check(setup.models[p.role], p.layout.strategy, trained, per_host)
+            extra = {} if capacity_bytes is None else {"capacity_bytes": capacity_bytes}
+            note = check(setup.models[p.role], p.layout.strategy, trained, per_host, **extra)
         except ValueError as e:
             raise PlanError(f"MFC '{name}' (role '{p.role}', layout {p.layout.short()}): {e}") from None
         if note and note not in notes:

@@ -1,0 +1,100 @@
+"""``realflow plan``: the fastest allocations of an experiment on a (real or described) cluster.
+
+    realflow plan model=qwen2.5-7b cluster=16xh100 experiment=grpo-math \\
+        workload.gen_len_max=8192 batch_size=64 [--top 5] [--timeline plan.png] [--import MOD]
+
+``model=``: a preset (:data:`MODEL_PRESETS`), a checkpoint directory or a config.json (every
+role with a model gets it). ``cluster=``: ``<N>x<profile>``, a JSON file or ``local`` (this
+machine's workers, with ``profile=`` from ``realflow calibrate``). ``workload.*``: sequence
+lengths (:class:`Workload`). Every other ``key=value`` configures the experiment as on its own
+command line. Prints the best plans (predicted step time, peak memory per device), the best
+single global strategy beside them, and draws the best plan's timeline.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Optional
+
+from realflow.api.config import ConfigError, import_modules, parse_overrides
+from realflow.api.experiment import experiment_registry
+
+PLANNER_KEYS = ("model", "cluster", "profile")
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str], dict[str, float], list[str]]:
+    p = argparse.ArgumentParser(prog="realflow plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--top", type=int, default=5, help="how many plans to print")
+    p.add_argument("--timeline", default="", help="PNG of the best plan's predicted timeline")
+    p.add_argument("--import", dest="imports", action="append", default=[], help="plugin module")
+    args, rest = p.parse_known_args(argv)
+    keys: dict[str, str] = {}
+    workload: dict[str, float] = {}
+    overrides: list[str] = []
+    for a in rest:
+        if a.startswith("-") or "=" not in a:
+            raise ConfigError(f"realflow plan: unexpected argument {a!r} (key=value, --top, --timeline, --import)")
+        k, v = a.split("=", 1)
+        if k in PLANNER_KEYS or k == "experiment":
+            keys[k] = v
+        elif k.startswith("workload."):
+            try:
+                workload[k.split(".", 1)[1]] = float(v)
+            except ValueError:
+                raise ConfigError(f"{k}={v!r} is not a number") from None
+        else:
+            overrides.append(a)
+    return args, keys, workload, overrides
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from realflow.system.planner.cluster import parse_cluster
+    from realflow.system.planner.models import load_model_config
+    from realflow.system.planner.search import search
+    from realflow.system.planner.simulate import Workload
+    from realflow.system.planner.timeline import draw_timeline
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, keys, wl, overrides = _parse(argv)
+        for k in ("model", "cluster", "experiment"):
+            if k not in keys:
+                raise ConfigError(f"realflow plan needs {k}=... (see `realflow plan --help`)")
+        import_modules(["experiments", "parallel.backend", *args.imports])
+        cls = experiment_registry.get(keys["experiment"])
+        known = {f.name for f in dataclasses.fields(Workload)}
+        bad = sorted(set(wl) - known)
+        if bad:
+            raise ConfigError(f"unknown workload key(s) {bad}; known: {sorted(known)}")
+        workload = Workload(**wl)
+        cfg = parse_overrides(cls, overrides)
+        setup = cfg.setup()
+        cluster = parse_cluster(keys["cluster"], local_devices=setup.n_workers,
+                                local_profile=keys.get("profile", "cpu-example"))
+        model = load_model_config(keys["model"])
+        roles = {r: model for r, spec in setup.models.items() if spec.backend != "none"}
+        result = search(setup, cluster, roles, workload, top=args.top)
+    except (ConfigError, KeyError, ValueError) as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        return 2
+    gib = 2 ** 30
+    print(cluster.describe())
+    print(f"model {keys['model']}: {sum(1 for _ in roles)} role(s) {sorted(roles)}; experiment {keys['experiment']}; "
+          f"{workload}")
+    print(f"{result.evaluated} allocations evaluated, {len(result.rejected)} rejected")
+    print(f"{'rank':<5}{'step s':>10}{'peak GiB':>10}{'vs global':>10}  allocation")
+    base = result.best_global.step_s if result.best_global else None
+    for i, p in enumerate(result.ranked, 1):
+        ratio = f"{base / p.step_s:.2f}x" if base else "-"
+        print(f"{i:<5}{p.step_s:>10.4g}{p.max_peak_bytes / gib:>10.2f}{ratio:>10}  {p.allocation}")
+    if result.best_global is not None:
+        g = result.best_global
+        print(f"best single global strategy: {g.allocation} ({g.step_s:.4g} s, {g.max_peak_bytes / gib:.2f} GiB)")
+    else:
+        print("no single global strategy fits; every plan above mixes strategies")
+    print(result.best.describe())
+    if args.timeline:
+        png = draw_timeline(result.best, cluster.n_devices, args.timeline)
+        print(f"timeline drawn to {png}")
+    return 0

@@ -1,0 +1,129 @@
+"""Device and link profiles: the numbers the cost model turns work into seconds.
+
+A profile is measured on a machine by ``realflow calibrate`` (``source`` says where and
+when) or built from published figures (``source`` names them): the planner's predictions
+are only as good as these numbers, so every profile says which it is. Units are SI:
+seconds, bytes, FLOP/s, bytes/s.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+
+
+class ProfileError(ValueError):
+    """A profile file or name that cannot be used; the message names the field or the file."""
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """A collective's cost ``alpha + bytes_on_the_wire / bandwidth`` (per message, per hop)."""
+
+    alpha_s: float  # latency of one step of a ring / one message
+    bandwidth: float  # bytes/s one rank sends (bus bandwidth)
+
+    def validate(self, where: str) -> None:
+        if not self.alpha_s >= 0 or not self.bandwidth > 0:
+            raise ProfileError(f"{where}: alpha_s must be >= 0 and bandwidth > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What one device (a GPU, or one CPU worker process with its threads) sustains."""
+
+    name: str
+    source: str  # "measured: ..." or "published: ..."
+    memory_bytes: int  # usable device memory
+    matmul_flops: float  # sustained dense GEMM FLOP/s at large shapes (training dtype)
+    matmul_overhead_s: float  # fixed cost of one GEMM call (launch / dispatch)
+    attention_flops: float  # sustained FLOP/s of attention (scores + weighted sum), fwd and bwd
+    attention_overhead_s: float  # fixed cost of one attention call
+    memory_bandwidth: float  # bytes/s read + written by a device-memory copy
+    op_overhead_s: float  # fixed cost of one small (elementwise / norm) op
+    decode_layer_overhead_s: float  # fixed cost per layer of one decode step (beyond its GEMMs)
+    host_bandwidth: float  # bytes/s between device and host memory (offload / reload)
+    intra_node: LinkProfile = field(default_factory=lambda: LinkProfile(5e-6, 1e11))
+    params_bytes: int = 2  # bytes per weight in the profile's training dtype (bf16 on GPUs, fp32 on CPU)
+    # measured by `realflow calibrate` (ring all-gather; send/recv of one message); None: as intra_node
+    intra_node_all_gather: Optional[LinkProfile] = None
+    intra_node_p2p: Optional[LinkProfile] = None
+
+    def link(self, op: str) -> LinkProfile:
+        """The intra-node link of ``op`` ("all_reduce", "all_gather" or "p2p")."""
+        if op not in ("all_reduce", "all_gather", "p2p"):
+            raise ValueError(f"unknown collective {op!r}; known: all_reduce, all_gather, p2p")
+        return getattr(self, f"intra_node_{op}", None) or self.intra_node
+
+    def validate(self) -> None:
+        where = f"device profile {self.name!r}"
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("name", "source"):
+                if not isinstance(v, str) or not v:
+                    raise ProfileError(f"{where}: {f.name} must be a non-empty string")
+            elif f.name in LINK_FIELDS:
+                if v is not None or f.name == "intra_node":
+                    if not isinstance(v, LinkProfile):
+                        raise ProfileError(f"{where}: {f.name} must be a LinkProfile, got {v!r}")
+                    v.validate(f"{where}: {f.name}")
+            elif f.name.endswith("_s"):
+                if not isinstance(v, (int, float)) or v < 0:
+                    raise ProfileError(f"{where}: {f.name}={v!r} must be a number >= 0")
+            elif not isinstance(v, (int, float)) or not v > 0:
+                raise ProfileError(f"{where}: {f.name}={v!r} must be a number > 0")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+
+LINK_FIELDS = ("intra_node", "intra_node_all_gather", "intra_node_p2p")
+
+
+def profile_from_dict(d: dict[str, Any], where: str = "profile") -> DeviceProfile:
+    known = {f.name for f in fields(DeviceProfile)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ProfileError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
+    missing = sorted(f.name for f in fields(DeviceProfile)
+                     if f.name not in d and f.name not in ("params_bytes", *LINK_FIELDS))
+    if missing:
+        raise ProfileError(f"{where}: missing field(s) {missing}")
+    d = dict(d)
+    for name in LINK_FIELDS:  # intra_node may be left out (the default); the others also null
+        if name not in d or (d[name] is None and name != "intra_node"):
+            continue
+        link = d[name]
+        if not isinstance(link, dict) or set(link) != {"alpha_s", "bandwidth"}:
+            raise ProfileError(f"{where}: {name} must be {{alpha_s, bandwidth}}, got {link!r}")
+        d[name] = LinkProfile(**link)
+    prof = DeviceProfile(**d)
+    prof.validate()
+    return prof
+
+
+def shipped_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str) -> DeviceProfile:
+    """A shipped profile by name (``h100``, ``h200``, ``a100``, ``cpu-example``) or a JSON file."""
+    path = Path(name_or_path)
+    if not (path.suffix == ".json" or os.sep in name_or_path):
+        path = PROFILE_DIR / f"{name_or_path}.json"
+        if not path.is_file():
+            raise ProfileError(f"no device profile {name_or_path!r}; shipped: {', '.join(shipped_profiles())} "
+                               f"(or give a JSON file written by `realflow calibrate`)")
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"device profile file {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"device profile {str(path)!r} is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"device profile {str(path)!r} must hold a JSON object")
+    return profile_from_dict(data, where=str(path))

@@ -1,0 +1,112 @@
+"""The allocation planner on described clusters: the simulator prices the runtime's own plan,
+the search finds the enumerated optimum, and what cannot work is a clear error.
+
+(Predictions against measured steps on this machine: ``benchmarks/bench_planner.py``.)
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from realflow.api.config import import_modules, parse_overrides
+from realflow.api.experiment import experiment_registry
+from realflow.system.plan_types import ParamRealloc
+from realflow.system.planner.cluster import ClusterError, parse_cluster
+from realflow.system.planner.models import load_model_config
+from realflow.system.planner.search import NoPlanFits, exhaustive, search
+from realflow.system.planner.simulate import Workload, simulate
+
+LONG = Workload(prompt_len=512, gen_len_mean=2048, gen_len_max=8192)
+
+
+def _setup(name: str, tmp_path, *over: str):
+    import_modules(["experiments", "parallel.backend"])
+    return parse_overrides(experiment_registry.get(name), [f"fileroot={tmp_path}", *over]).setup()
+
+
+def _roles(setup, model: str):
+    cfg = load_model_config(model)
+    return {r: cfg for r, s in setup.models.items() if s.backend != "none"}
+
+
+def test_simulator_prices_the_compilers_hooks_and_overlaps_disjoint_mfcs(tmp_path):
+    setup = _setup("grpo-math", tmp_path, "batch_size=64", "ppo.max_new_tokens=8192", "ppo.n_samples=8")
+    cl = parse_cluster("16xh100")
+    roles = _roles(setup, "qwen2.5-7b")
+    same = simulate(setup, cl, roles, LONG, "d4t4")
+    split = simulate(setup, cl, roles, LONG, "actor_train:d4t4,*:d16")
+    assert not any(isinstance(h, ParamRealloc) for _, _, h in same.plan.hooks())
+    assert all(m.hooks_s == 0 for m in same.mfcs)
+    gen = next(m for m in split.mfcs if m.name == "actor_gen")
+    assert any(isinstance(h, ParamRealloc) for h in split.plan.pre_hooks["actor_gen"]) and gen.hooks_s > 0
+    train = next(m for m in split.mfcs if m.name == "actor_train")
+    assert train.start == pytest.approx(gen.end) and split.step_s == pytest.approx(train.end)
+    # the trained role's home holds weights + fp32 grads + Adam states: more than the weights alone
+    assert split.max_peak_bytes > 7e9 * 2 / 16
+
+    ppo = _setup("ppo-math", tmp_path, "batch_size=64", "ppo.max_new_tokens=8192", "ppo.n_samples=8")
+    halves = simulate(ppo, cl, _roles(ppo, "qwen2.5-7b"), LONG, "actor_train:d8@0-7,critic_train:d8@8-15,*:d16")
+    at, ct = (next(m for m in halves.mfcs if m.name == n) for n in ("actor_train", "critic_train"))
+    assert at.workers == tuple(range(8)) and ct.workers == tuple(range(8, 16))
+    assert max(at.start, ct.start) < min(at.end, ct.end)  # independent MFCs on disjoint devices overlap
+
+
+@pytest.mark.parametrize("exp,model,cluster,n", [("grpo-math", "qwen2.5-1.5b", "8xh100", 32),
+                                                 ("ppo-math", "qwen2.5-1.5b", "2xa100", 16)])
+def test_search_finds_the_enumerated_optimum(tmp_path, exp, model, cluster, n):
+    setup = _setup(exp, tmp_path, f"batch_size={n}", "ppo.max_new_tokens=8192", "ppo.n_samples=8")
+    cl = parse_cluster(cluster)
+    roles = _roles(setup, model)
+    found = search(setup, cl, roles, LONG)
+    best = exhaustive(setup, cl, roles, LONG)
+    assert found.best.step_s == pytest.approx(best.step_s, rel=1e-9), (found.best.allocation, best.allocation)
+    assert found.best.fits and found.best_global is not None
+    assert found.best.step_s <= found.best_global.step_s  # never slower than one global strategy
+    assert [p.step_s for p in found.ranked] == sorted(p.step_s for p in found.ranked)
+
+
+def test_a_model_that_fits_nowhere_says_how_much_memory_it_needs(tmp_path):
+    setup = _setup("grpo-math", tmp_path, "batch_size=8")
+    with pytest.raises(NoPlanFits, match=r"no allocation fits 2 x a100 \([\d.]+ GiB each\).*need at least [\d.]+ GiB"):
+        search(setup, parse_cluster("2xa100"), _roles(setup, "llama3-70b"), LONG)
+
+
+def test_bad_cluster_descriptions_name_what_is_missing(tmp_path):
+    with pytest.raises(ClusterError, match="not a file, 'local' or '<N>x<profile>'"):
+        parse_cluster("sixteen-gpus")
+    with pytest.raises(ClusterError, match=r"no device profile 'v100'; shipped: .*h100"):
+        parse_cluster("8xv100")
+    with pytest.raises(ClusterError, match="do not fill nodes of 8"):
+        parse_cluster("12xh100")
+    bad = tmp_path / "c.json"
+    for body, needle in [({"nodes": 2, "device": "h100"}, "missing field 'devices_per_node'"),
+                         ({"nodes": 0, "devices_per_node": 8, "device": "h100"}, "nodes=0 must be an integer >= 1"),
+                         ({"nodes": 2, "devices_per_node": 8, "device": "h100", "gpus": 3}, r"unknown field\(s\) \['gpus'\]"),
+                         ({"nodes": 2, "devices_per_node": 8, "device": "h100", "inter_node": {"bandwidth": 1}},
+                          "inter_node must be")]:
+        bad.write_text(json.dumps(body))
+        with pytest.raises(ClusterError, match=needle):
+            parse_cluster(str(bad))
+    ok = tmp_path / "ok.json"
+    ok.write_text(json.dumps({"nodes": 2, "devices_per_node": 4, "device": "a100", "memory_bytes": 40 * 2**30,
+                              "inter_node": {"alpha_s": 2e-5, "bandwidth": 1.25e10}}))
+    cl = parse_cluster(str(ok))
+    assert cl.n_devices == 8 and cl.device.memory_bytes == 40 * 2**30
+    assert cl.link([0, 1]) == cl.device.intra_node and cl.link([3, 4]).bandwidth == 1.25e10
+
+
+def test_plan_command_prints_ranked_plans_and_draws_the_timeline(tmp_path):
+    png = tmp_path / "t.png"
+    res = subprocess.run([sys.executable, "-m", "realflow.apps.main", "plan", "model=qwen2.5-7b", "cluster=16xh100",
+                          "experiment=grpo-math", f"fileroot={tmp_path}", "batch_size=64", "ppo.max_new_tokens=8192",
+                          "workload.gen_len_max=8192", "--timeline", str(png)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "best single global strategy:" in res.stdout and "rank" in res.stdout
+    assert png.stat().st_size > 5000
+    bad = subprocess.run([sys.executable, "-m", "realflow.apps.main", "plan", "model=qwen2.5-7b", "cluster=16xh100",
+                          "experiment=grpo-math", "workload.gen_len=5"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown workload key(s) ['gen_len']" in bad.stderr

@@ -1,0 +1,143 @@
+"""``realflow calibrate`` and the device profiles: a quick calibration of this machine writes a
+profile that loads and holds plausible CPU numbers; the shipped published GPU profiles load and
+are ordered as their datasheets; a bad profile is refused with an error naming what is wrong."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from realflow.apps import calibrate as calibrate_app
+from realflow.system.planner.calibrate import CalibrationError, fit_line
+from realflow.system.planner.profile import (DeviceProfile, LinkProfile, ProfileError, load_profile,
+                                             profile_from_dict, shipped_profiles)
+
+pytestmark = pytest.mark.timeout(120)
+REPO = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+           PYTHONWARNINGS="ignore")
+
+
+def test_quick_calibration_through_the_cli(tmp_path):
+    out = tmp_path / "sub" / "prof.json"
+    r = subprocess.run([sys.executable, "-m", "realflow.apps.main", "calibrate", "--quick", "--out", str(out)],
+                       cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert str(out) in r.stdout and "matmul" in r.stdout and "all-reduce" in r.stdout
+    p = load_profile(str(out))
+    assert p.source.startswith("measured: ") and "threads=1" in p.source and "torch " in p.source
+    assert p.params_bytes == 4 and 2**28 < p.memory_bytes < 2**50  # fp32 CPU worker; MemTotal / world
+    # rates: one CPU core in fp32, give or take a loaded machine
+    assert 1e8 < p.matmul_flops < 1e13
+    assert 1e7 < p.attention_flops < 1e13
+    assert 1e8 < p.memory_bandwidth < 1e12
+    assert 1e7 < p.host_bandwidth <= p.memory_bandwidth
+    # fixed costs: measured directly (> 0) or fitted intercepts (clamped at 0), never absurd
+    assert 0 < p.op_overhead_s < 1e-2
+    for v in (p.matmul_overhead_s, p.attention_overhead_s, p.decode_layer_overhead_s):
+        assert 0 <= v < 0.1
+    for link in (p.intra_node, p.intra_node_all_gather, p.intra_node_p2p):
+        assert isinstance(link, LinkProfile)
+        assert link.bandwidth > 1e7 and 0 <= link.alpha_s < 0.1
+
+
+def test_cli_reports_a_bad_world_without_writing(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert calibrate_app.main(["--world", "1", "--out", str(out)]) == 2
+    assert "world=1" in capsys.readouterr().err and not out.exists()
+    with pytest.raises(SystemExit) as e:
+        calibrate_app.main(["--threads", "0"])
+    assert e.value.code == 2
+
+
+def test_link_failure_names_the_rank_and_the_stage():
+    code = "from realflow.system.planner.calibrate import measure_links; measure_links(2, True, timeout_s=0.05)"
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=110)
+    assert r.returncode != 0
+    assert "CalibrationError: link measurement over 2 local processes failed" in r.stderr
+    assert "rank 0 timed out after 0.05s in '" in r.stderr
+
+
+def test_fit_line():
+    x = [1e3, 1e5, 1e7]
+    assert fit_line(x, [2e-6 + v / 1e9 for v in x], "t") == pytest.approx((2e-6, 1e-9), rel=1e-6)
+    a, b = fit_line(x, [v / 1e9 - 5e-7 for v in x], "t")  # the intercept would be < 0: refit through 0
+    assert a == 0.0 and b == pytest.approx(1e-9, rel=0.5)
+    with pytest.raises(CalibrationError, match="matmul: time does not grow"):
+        fit_line(x, [1e-3, 1e-4, 1e-5], "matmul")
+    with pytest.raises(CalibrationError, match="memcpy: need >= 2 positive"):
+        fit_line([1.0], [1.0], "memcpy")
+
+
+def test_shipped_profiles_are_published_and_ordered():
+    assert {"h100", "h200", "a100", "cpu-example"} <= set(shipped_profiles())
+    h100, h200, a100 = (load_profile(n) for n in ("h100", "h200", "a100"))
+    for p in (h100, h200, a100):
+        assert p.source.startswith("published: ") and "datasheet" in p.source and "assumed" in p.source
+        assert p.params_bytes == 2
+        assert p.link("p2p") is p.intra_node and p.link("all_gather") is p.intra_node
+    assert h200.memory_bytes > h100.memory_bytes >= a100.memory_bytes
+    assert h100.matmul_flops > a100.matmul_flops and h200.matmul_flops == h100.matmul_flops
+    assert h200.memory_bandwidth > h100.memory_bandwidth > a100.memory_bandwidth
+    assert h100.intra_node.bandwidth > a100.intra_node.bandwidth
+    assert h100.host_bandwidth > a100.host_bandwidth
+    cpu = load_profile("cpu-example")
+    assert cpu.source.startswith("measured: ") and cpu.params_bytes == 4
+    assert cpu.intra_node_p2p is not None and cpu.link("p2p") is cpu.intra_node_p2p
+    assert h100.matmul_flops > 100 * cpu.matmul_flops
+
+
+def test_profile_round_trips_through_json():
+    for name in ("h100", "cpu-example"):
+        p = load_profile(name)
+        assert profile_from_dict(json.loads(p.to_json())) == p
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        load_profile("h100").link("broadcast")
+
+
+def _write(tmp_path: Path, **changes) -> str:
+    d = asdict(load_profile("h100"))
+    d.update(changes)
+    for k in [k for k, v in changes.items() if v is _DROP]:
+        del d[k]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"matmul_flops": _DROP}, r"missing field\(s\) \['matmul_flops'\]"),
+    ({"matmul_flop": 1e12}, r"unknown field\(s\) \['matmul_flop'\]; known: \[.*'matmul_flops'"),
+    ({"matmul_flops": -1.0}, r"matmul_flops=-1.0 must be a number > 0"),
+    ({"op_overhead_s": -1e-6}, r"op_overhead_s=-1e-06 must be a number >= 0"),
+    ({"memory_bytes": "80GB"}, r"memory_bytes='80GB' must be a number > 0"),
+    ({"intra_node": {"alpha_s": 1e-6, "bandwidth": -5.0}}, r"intra_node: alpha_s must be >= 0 and bandwidth > 0"),
+    ({"intra_node_p2p": {"alpha_s": 1e-6}}, r"intra_node_p2p must be \{alpha_s, bandwidth\}"),
+    ({"name": ""}, r"name must be a non-empty string"),
+])
+def test_bad_profile_names_the_field(tmp_path, changes, message):
+    with pytest.raises(ProfileError, match=message):
+        load_profile(_write(tmp_path, **changes))
+
+
+def test_bad_profile_names_and_files(tmp_path):
+    with pytest.raises(ProfileError, match=r"no device profile 'h1000'; shipped: a100, cpu-example, h100, h200"):
+        load_profile("h1000")
+    with pytest.raises(ProfileError, match="does not exist"):
+        load_profile(str(tmp_path / "none.json"))
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(ProfileError, match="is not JSON"):
+        load_profile(str(tmp_path / "x.json"))
+    (tmp_path / "y.json").write_text("[1, 2]")
+    with pytest.raises(ProfileError, match="must hold a JSON object"):
+        load_profile(str(tmp_path / "y.json"))
+    assert isinstance(profile_from_dict({k: v for k, v in asdict(load_profile("h100")).items()
+                                         if k not in ("intra_node", "intra_node_p2p")}), DeviceProfile)

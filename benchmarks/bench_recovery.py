@@ -55,7 +55,8 @@ def run_fault(fileroot: str, victim: str, sig: int, steps: int, freq: int, after
     trial = f"{victim.replace('/', '_')}-{signal.Signals(sig).name}"
     run_dir = os.path.join(fileroot, "sft", trial)
     cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={fileroot}", f"trial_name={trial}", *TINY,
-           f"max_train_steps={steps}", f"recover_freq_steps={freq}", "recover_freq_seconds=0", "recover_mode=auto"]
+           f"max_train_steps={steps}", f"recover_freq_steps={freq}", "recover_freq_seconds=0", "recover_mode=auto",
+           "heartbeat_timeout_s=3"]  # the SIGSTOP detection figure is for 3 s (the default, 10 s, adds 7)
     console = os.path.join(fileroot, f"{trial}.console")
     with open(console, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)

@@ -117,7 +117,7 @@ class ExperimentSetup:
     worker_threads: int = 1
     setup_timeout_s: float = 600.0
     mfc_timeout_s: float = 1800.0
-    heartbeat_timeout_s: float = 3.0
+    heartbeat_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     trace: bool = True
     deploy: DeploySpec = field(default_factory=DeploySpec)
@@ -195,9 +195,11 @@ class BaseExperimentConfig:
     launcher: str = field(default="local", metadata={"help": "local | slurm | ray: where the processes run"})
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     ray: RayConfig = field(default_factory=RayConfig)
-    heartbeat_timeout_s: float = field(default=3.0, metadata={
+    heartbeat_timeout_s: float = field(default=10.0, metadata={
         "help": "a process of the run silent this long is declared lost and the run stops or relaunches "
-                "(a stopped or frozen worker is named within this; must exceed 2 heartbeat intervals)"})
+                "(a stopped or frozen worker is named within this; must exceed 2 heartbeat intervals). "
+                "10 s: on a host with several busy workers per core a live process can go unscheduled "
+                "for seconds (seen at load 5 on 2 cores with 3 s)"})
     heartbeat_interval_s: float = field(default=1.0, metadata={
         "help": "every process sends a signed heartbeat this often (shorter: faster detection, more messages)"})
     recover_mode: str = field(default="auto", metadata={

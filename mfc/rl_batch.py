@@ -127,7 +127,9 @@ def compute_rl_tensors(batch: SequenceBatch, cfg: AdvantageConfig,
     a_old = old_lp[act]
     kl = None
     stats: dict[str, float] = {"score_sum": float(scores.sum()), "n_seqs": float(len(lens)),
-                               "n_truncated": float(no_eos.sum()), "n_action_tokens": float(act.sum())}
+                               "n_truncated": float(no_eos.sum()), "n_action_tokens": float(act.sum()),
+                               "n_prompt_tokens": float(sum(lens) - act.sum()),
+                               "response_len_max": float(max(resp_lens, default=0))}
     if REF_LOGPROBS in batch.data:
         kl = kl_estimate(a_old, batch.data[REF_LOGPROBS].float()[act], cfg.kl_estimator)
         stats["kl_ref_sum"] = float(kl.sum())

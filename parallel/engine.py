@@ -228,6 +228,13 @@ class MegatronEngine:
             dist.all_reduce(t, group=self.groups.dp_group)
         return t.tolist()
 
+    def dp_max(self, values: list[float]) -> list[float]:
+        """Element-wise maximum of ``values`` over this model's data-parallel group."""
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.groups.strategy.dp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
+        return t.tolist()
+
     # ------------------------------------------------------------------ inference
 
     def forward(self, input_ids: torch.Tensor, seqlens: list[int],

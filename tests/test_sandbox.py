@@ -68,9 +68,14 @@ def test_hostile_program_is_contained(path):
     listener.listen(1)
     listener.settimeout(0.1)
     try:
-        t0 = time.monotonic()
-        r = run_program(code, str(listener.getsockname()[1]), LIMITS)
-        took = time.monotonic() - t0
+        for attempt in range(2):
+            t0 = time.monotonic()
+            r = run_program(code, str(listener.getsockname()[1]), LIMITS)
+            took = time.monotonic() - t0
+            # on a loaded host a short program can spend the whole 3 s wall budget starting Python: it
+            # is contained all the same (checked below), but its own reason is what this test checks
+            if r.ok or not r.reason.startswith("wall time limit") or "wall time" in " ".join(expect):
+                break
         with pytest.raises(socket.timeout):
             listener.accept()  # nothing inside reached the host's loopback
     finally:

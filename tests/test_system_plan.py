@@ -161,17 +161,24 @@ def test_declared_offload_reloads_before_the_roles_next_mfc_cyclically(tmp_path)
 # ---- data transfers and group order ----------------------------------------------------------
 
 
+def test_generation_never_gets_pipeline_stages(tmp_path):
+    with pytest.raises(PlanError, match=r"MFC 'actor_gen' generates, and generation does not pipeline: its layout "
+                                        r"d1t1p2@\[0, 1\] has pp=2; give it pp=1"):
+        compile_plan(make_setup(tmp_path, "gen:d1t1p2+train:d1t2", 4))
+
+
 def test_transfers_go_from_producer_dp_heads_to_every_consumer_worker(tmp_path):
-    plan = compile_plan(make_setup(tmp_path, "gen:d1t1p2+train:d1t2", 4))
+    plan = compile_plan(make_setup(tmp_path, "{actor_gen:d2,ref_inf:d1p2}+train:d1t2", 4))
     by = {(t.producer, t.consumer, t.key): t for t in plan.transfers}
     assert set(by) == {("actor_gen", "ref_inf", "packed_input_ids"), ("actor_gen", "actor_train", "packed_input_ids"),
                        ("actor_gen", "actor_train", "logprobs"), ("ref_inf", "actor_train", "ref_logp")}
     # pipeline producer: its output lives on the last stage (worker 1); tp consumer: both tp ranks receive
-    assert by[("actor_gen", "actor_train", "logprobs")] == DataTransfer("logprobs", "actor_gen", "actor_train",
-                                                                        (1,), (2, 3))
-    assert not by[("actor_gen", "actor_train", "logprobs")].local
-    assert by[("ref_inf", "actor_train", "ref_logp")].src_workers == (2,) and by[("ref_inf", "actor_train",
-                                                                                  "ref_logp")].local is False
+    assert by[("ref_inf", "actor_train", "ref_logp")] == DataTransfer("ref_logp", "ref_inf", "actor_train",
+                                                                      (1,), (2, 3))
+    assert not by[("ref_inf", "actor_train", "ref_logp")].local
+    # data-parallel producer: every dp head holds its part
+    assert by[("actor_gen", "actor_train", "logprobs")].src_workers == (0, 1)
+    assert by[("actor_gen", "ref_inf", "packed_input_ids")].local  # the same two workers: nothing moves
     same = compile_plan(make_setup(tmp_path, "d2", 2))
     assert all(t.local for t in same.transfers) and len(same.transfers) == 4
 
@@ -212,8 +219,8 @@ def test_plan_is_identical_in_fresh_processes_with_different_hash_seeds(tmp_path
                     "num_attention_heads=4"),
     (dict(num_attention_heads=8, hidden_size=128), "t4", 4, "tp=4 does not divide num_key_value_heads=2"),
     (dict(intermediate_size=129), "t2", 2, "tp=2 does not divide intermediate_size=129"),
-    ({}, "p3", 3, "pp=3 is larger than num_hidden_layers=2"),
-    (dict(num_hidden_layers=3), "p2", 2, "pp=2 does not divide num_hidden_layers=3"),
+    ({}, "actor_train:p3,*:d3", 3, "pp=3 is larger than num_hidden_layers=2"),  # (generation never pipelines)
+    (dict(num_hidden_layers=3), "actor_train:p2,*:d2", 2, "pp=2 does not divide num_hidden_layers=3"),
     (dict(hidden_act="gelu"), "d1", 1, "hidden_act='gelu' (only SwiGLU/silu)"),
 ])
 def test_backend_rejects_layouts_megatron_cannot_build(tmp_path, over, alloc, n, needle):

@@ -49,10 +49,10 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def _run_with_fault(args, fileroot: Path, run_dir: Path, victim: str, sig: int, after_step: int,
-                    *overrides: str, timeout: float = 400) -> tuple[int, str, float, float]:
+                    *overrides: str, timeout: float = 400, watch: str = "relaunching") -> tuple[int, str, float, float]:
     """Start the job, send ``sig`` to ``victim`` once ``after_step`` steps are logged; wait for
-    the job to end. Returns (exit code, console output, seconds from the signal to the relaunch,
-    seconds from the signal to the end of the job)."""
+    the job to end. Returns (exit code, console output, seconds from the signal to the console
+    saying ``watch`` (the relaunch; -1 if never), seconds from the signal to the end of the job)."""
     console = fileroot / f"console-{victim.replace('/', '_')}.txt"
     with open(console, "w") as out:
         proc = subprocess.Popen(_cmd(args, fileroot, *overrides), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
@@ -71,7 +71,7 @@ def _run_with_fault(args, fileroot: Path, run_dir: Path, victim: str, sig: int, 
         t_sig = time.time()
         relaunched = None
         while proc.poll() is None and time.time() < deadline:
-            if relaunched is None and "relaunching" in console.read_text():
+            if relaunched is None and watch in console.read_text():
                 relaunched = time.time() - t_sig
             time.sleep(0.05)
         if proc.poll() is None:
@@ -130,13 +130,16 @@ def test_sft_killed_mid_run_resumes_bit_identical(tmp_path, sft_reference, victi
 @pytest.mark.timeout(300)
 def test_stopped_worker_is_named_within_its_deadline(tmp_path):
     run_dir = tmp_path / "sft" / "trial0"
-    rc, out, _, ended = _run_with_fault(SFT, tmp_path, run_dir, "model_worker/0", signal.SIGSTOP, 3,
-                                        "max_train_steps=100000", "recover_mode=resume", "heartbeat_timeout_s=3")
+    rc, out, named, ended = _run_with_fault(SFT, tmp_path, run_dir, "model_worker/0", signal.SIGSTOP, 3,
+                                            "max_train_steps=100000", "recover_mode=resume", "heartbeat_timeout_s=3",
+                                            watch="stopped sending heartbeats")
     assert rc == 1
     assert "['model_worker/0'] stopped sending heartbeats" in out, out[-2000:]
     assert "relaunching" not in out  # resume mode: no relaunch
-    # named after 2-3 s of silence; the stopped process is continued and terminated at once
-    assert ended < 8.0, ended
+    # named after 2-3 s of silence (+ the console's own latency); the stopped process is continued
+    # and terminated at once, and the others torn down (seconds more on a loaded host)
+    assert 0 < named < 6.0, named
+    assert ended < 15.0, ended
 
 
 @pytest.mark.timeout(400)

@@ -21,6 +21,8 @@ from realflow.api.config import ConfigError, import_modules, parse_overrides
 from realflow.api.experiment import experiment_registry
 
 PLANNER_KEYS = ("model", "cluster", "profile")
+AREAL_FIGURE = ("AReaL (arXiv 2505.24298, abstract): up to 2.77x the training speed of synchronous systems with the "
+                "same number of GPUs")
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str], dict[str, float], list[str]]:
@@ -28,6 +30,8 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str], dict[st
     p.add_argument("--top", type=int, default=5, help="how many plans to print")
     p.add_argument("--timeline", default="", help="PNG of the best plan's predicted timeline")
     p.add_argument("--import", dest="imports", action="append", default=[], help="plugin module")
+    p.add_argument("--scaling", default="", help="device counts, e.g. 16,64,256,1024: predicted asynchronous and "
+                   "synchronous throughput at each (the batch grows with the devices), beside AReaL's figure")
     args, rest = p.parse_known_args(argv)
     keys: dict[str, str] = {}
     workload: dict[str, float] = {}
@@ -74,6 +78,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 local_profile=keys.get("profile", "cpu-example"))
         model = load_model_config(keys["model"])
         roles = {r: model for r, spec in setup.models.items() if spec.backend != "none"}
+        if args.scaling:
+            return _scaling(cls, overrides, keys, cluster, model, workload, args.scaling)
+        if setup.rollout is not None:
+            from realflow.system.planner.async_plan import plan_async
+
+            ap = plan_async(setup, cluster, roles, workload, seqs_per_step=_seqs(setup))
+            print(cluster.describe())
+            print(f"asynchronous: {ap.describe()}")
+            print(ap.train.best.describe())
+            return 0
         result = search(setup, cluster, roles, workload, top=args.top)
     except (ConfigError, KeyError, ValueError) as e:
         print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
@@ -98,3 +112,41 @@ def main(argv: Optional[list[str]] = None) -> int:
         png = draw_timeline(result.best, cluster.n_devices, args.timeline)
         print(f"timeline drawn to {png}")
     return 0
+
+
+def _seqs(setup) -> int:
+    """Generated sequences per training step of an asynchronous setup."""
+    n = int((setup.rollout.agent_args or {}).get("n_samples", 1))
+    return max(m.n_seqs for m in setup.mfcs) * n
+
+
+def _scaling(cls, overrides: list[str], keys: dict[str, str], cluster, model, workload, counts: str) -> int:
+    """Weak scaling: the batch per device stays the experiment's; async vs sync at each count."""
+    from realflow.system.planner.async_plan import plan_async
+    from realflow.system.planner.cluster import parse_cluster
+    from realflow.system.planner.search import search
+
+    sync_cls = experiment_registry.get(keys.get("sync_experiment", "grpo-math"))
+    base = parse_overrides(cls, overrides)
+    per_device = base.batch_size / cluster.n_devices
+    print(f"weak scaling on {cluster.device.name}: {per_device:g} prompts per device per step; {workload}")
+    print(f"{'devices':>8}{'async samples/s':>17}{'sync samples/s':>16}{'async/sync':>11}{'async efficiency':>18}  plan")
+    first = None
+    for n in [int(x) for x in counts.split(",") if x.strip()]:
+        bs = max(int(per_device * n), 1)
+        over = [*overrides, f"batch_size={bs}"]
+        cl = parse_cluster(f"{n}x{cluster.device.name}")
+        a_setup = parse_overrides(cls, over).setup()
+        s_setup = parse_overrides(sync_cls, [o for o in over if not o.startswith(("rollout.", "allocation="))]).setup()
+        roles = {r: model for r, spec in s_setup.models.items() if spec.backend != "none"}
+        seqs = _seqs(a_setup) if a_setup.rollout is not None else bs
+        ap = plan_async(a_setup, cl, {r: model for r, spec in a_setup.models.items() if spec.backend != "none"},
+                        workload, seqs_per_step=seqs)
+        sp = search(s_setup, cl, roles, workload).best
+        a_rate, s_rate = seqs / ap.step_s, seqs / sp.step_s
+        first = first or (n, a_rate)
+        eff = a_rate / (first[1] * n / first[0])
+        print(f"{n:>8}{a_rate:>17.1f}{s_rate:>16.1f}{a_rate / s_rate:>10.2f}x{eff:>17.0%}  {ap.allocation}")
+    print(f"published: {AREAL_FIGURE}")
+    return 0
+

@@ -24,6 +24,7 @@ from realflow.api.backend import model_backends
 from realflow.api.dfg import DataFlowGraph
 from realflow.api.experiment import ExperimentSetup
 from realflow.api.layout import Layout
+from realflow.api.mfc import ModelInterfaceType
 from realflow.api.registry import RegistryError
 from realflow.system.plan_hooks import (
     attach_hooks, data_transfers, group_order, offloaded_roles, realloc_pairs, role_homes,
@@ -153,6 +154,13 @@ def _check_layouts(setup: ExperimentSetup, graph: DataFlowGraph, placements: dic
     done: set[tuple[str, Any, bool]] = set()
     for name in graph.topological_order():
         p = placements[name]
+        if graph.mfc(name).interface_type == ModelInterfaceType.GENERATE and p.layout.strategy.pp > 1 \
+                and setup.models[p.role].backend != "none":
+            # autoregressive decoding here is one forward per token over the whole model: the
+            # generation engines (built-in and SGLang) take tp and dp, never pipeline stages
+            raise PlanError(f"MFC '{name}' generates, and generation does not pipeline: its layout "
+                            f"{p.layout.short()} has pp={p.layout.strategy.pp}; give it pp=1 "
+                            f"(e.g. '{name}:d{p.layout.strategy.dp * p.layout.strategy.pp}t{p.layout.strategy.tp},...')")
         trained = graph.train_mfc(p.role) is not None and p.layout == homes[p.role]
         key = (p.role, p.layout.strategy, trained)
         if key in done:

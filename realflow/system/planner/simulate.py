@@ -105,9 +105,12 @@ def planned_setup(setup: ExperimentSetup, model_cfgs: dict[str, dict[str, Any]],
     return dataclasses.replace(setup, models=models, n_workers=cluster.n_devices, allocation=allocation)
 
 
-def _works(plan: ExecutionPlan, workload: Workload) -> dict[str, Work]:
+def _works(plan: ExecutionPlan, workload: Workload, rollout: Any = None) -> dict[str, Work]:
+    """What each MFC processes. An asynchronous trainer's graph has no generate MFC: its MFCs
+    take ``n_seqs`` rollouts of the rollout agent's ``n_samples`` generated sequences each."""
     gens = [m for m in plan.graph.mfcs if m.interface_type == ModelInterfaceType.GENERATE]
     generated = max((m.n_seqs * int(m.interface_args.get("n_samples", 1)) for m in gens), default=0)
+    per_rollout = int((getattr(rollout, "agent_args", None) or {}).get("n_samples", 1)) if rollout is not None else 0
     out = {}
     for m in plan.graph.mfcs:
         kind = _KIND[m.interface_type]
@@ -118,8 +121,8 @@ def _works(plan: ExecutionPlan, workload: Workload) -> dict[str, Work]:
             out[m.name] = Work("generate", m.n_seqs * int(m.interface_args.get("n_samples", 1)),
                                workload.prompt_len + min(workload.gen_len_mean, gmax), workload.prompt_len,
                                gmax, min(workload.gen_len_mean, gmax), mb)
-        elif gens:
-            out[m.name] = Work(kind, generated, workload.prompt_len + workload.gen_len_mean,
+        elif gens or per_rollout:
+            out[m.name] = Work(kind, generated or m.n_seqs * per_rollout, workload.prompt_len + workload.gen_len_mean,
                                max_tokens_per_mb=mb or int(workload.max_tokens_per_mb))
         else:
             out[m.name] = Work(kind, m.n_seqs, workload.seq_len, max_tokens_per_mb=mb or int(workload.max_tokens_per_mb))
@@ -138,7 +141,7 @@ def simulate(setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str,
     alloc = setup.allocation if allocation is None else allocation
     ps = planned_setup(setup, model_cfgs, cluster, alloc)
     plan = compile_plan(ps, capacity_bytes=cluster.device.memory_bytes)
-    works = _works(plan, workload)
+    works = _works(plan, workload, setup.rollout)
     facts = {r: ModelFacts.from_hf(c) for r, c in model_cfgs.items()}
     backends = {r: model_backends.get(ps.models[r].backend)() for r in facts}
     low = cluster.device.params_bytes == 2

@@ -1,0 +1,104 @@
+"""The planner's predictions against measured steps on this machine (issue 19's validation).
+
+    python benchmarks/bench_planner.py [--steps 10] [--root DIR]
+
+First ``realflow calibrate`` measures this machine (the profile every prediction uses);
+then SFT and synchronous GRPO run for a few steps under 8 allocations on the 2 default
+workers (data, tensor and pipeline parallel, and per-MFC mixes with parameter
+reallocation), and each measured step time (median after 2 warm-up steps) is printed beside
+the simulator's prediction for the same experiment, allocation and sequence lengths (the
+lengths measured in the run: the planner is told the workload, not the timing). Goal: every
+prediction within 20%.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._realflow_steps import REPO, run_job  # noqa: E402
+
+ARCH = ["model.arch.num_hidden_layers=4"]  # 4 layers: p2 splits them evenly
+SFT_RUNS = ["d2", "d1t2", "d1p2"]
+GRPO_RUNS = ["d2", "d1t2", "actor_train:d1p2,*:d2", "actor_train:d1t2,*:d2", "actor_gen:d1t2,*:d2"]
+WARMUP = 2
+GOAL = 0.20
+
+
+def _median_step(rows: list[dict]) -> float:
+    return statistics.median(r["time/step"] for r in rows[WARMUP:])
+
+
+def _mean(rows: list[dict], key: str) -> float:
+    return statistics.mean(r[key] for r in rows[WARMUP:])
+
+
+def predict(experiment: str, overrides: list[str], allocation: str, profile: str, model_dir: str,
+            workload: dict) -> object:
+    from realflow.api.config import import_modules, parse_overrides
+    from realflow.api.experiment import experiment_registry
+    from realflow.system.planner.cluster import cluster_from_dict
+    from realflow.system.planner.simulate import Workload, simulate
+
+    import_modules(["experiments", "parallel.backend"])
+    setup = parse_overrides(experiment_registry.get(experiment), overrides).setup()
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cluster = cluster_from_dict({"nodes": 1, "devices_per_node": setup.n_workers, "device": profile, "name": "this machine"})
+    roles = {r: cfg for r, s in setup.models.items() if s.backend != "none"}
+    return simulate(setup, cluster, roles, Workload(**workload), allocation)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--root", default="")
+    args = ap.parse_args()
+    root = args.root or tempfile.mkdtemp(prefix="bench_planner-")
+    profile = os.path.join(root, "device_profile.json")
+    res = subprocess.run([sys.executable, "-m", "realflow.apps.main", "calibrate", "--out", profile], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    if res.returncode != 0:
+        sys.exit(f"calibration failed:\n{res.stderr[-3000:]}")
+    print(f"profile: {profile}")
+    table = []
+    sft_common = [f"fileroot={root}", *ARCH, "batch_size=64"]
+    start = os.path.join(root, "sft", "sft-d2", "checkpoints", "default", "final")
+    for alloc in SFT_RUNS:
+        trial = "sft-" + alloc.replace(":", "_").replace(",", "_").replace("*", "all")
+        rows = run_job("sft", root, trial, args.steps, [*ARCH, "batch_size=64", f"allocation={alloc}"])
+        tokens = _mean(rows, "sft_train/n_tokens")
+        wl = {"seq_len": tokens / 64}
+        pred = predict("sft", [*sft_common, f"trial_name={trial}"], alloc, profile, start, wl)
+        table.append(("sft", alloc, _median_step(rows), pred))
+    grpo_common = [f"model.path={start}", "batch_size=32", "ppo.n_samples=4", "dataset.n_test=16", "eval_n_samples=1"]
+    for alloc in GRPO_RUNS:
+        trial = "grpo-" + alloc.replace(":", "_").replace(",", "_").replace("*", "all")
+        rows = run_job("grpo-math", root, trial, args.steps, [*grpo_common, f"allocation={alloc}"])
+        wl = {"prompt_len": _mean(rows, "actor_train/prompt_len"),
+              "gen_len_mean": _mean(rows, "actor_train/response_len"),
+              "gen_len_max": _mean(rows, "actor_train/response_len_max")}
+        pred = predict("grpo-math", [f"fileroot={root}", *grpo_common, f"trial_name={trial}"], alloc, profile,
+                       start, wl)
+        table.append(("grpo", alloc, _median_step(rows), pred))
+    print(f"\n{'run':<6}{'allocation':<26}{'measured s':>11}{'predicted s':>12}{'error':>8}")
+    worst = 0.0
+    for exp, alloc, measured, pred in table:
+        err = (pred.step_s - measured) / measured
+        worst = max(worst, abs(err))
+        print(f"{exp:<6}{alloc:<26}{measured:>11.4f}{pred.step_s:>12.4f}{err:>+8.0%}")
+    print(f"\nworst error {worst:.0%} (goal: every prediction within {GOAL:.0%}): "
+          f"{'met' if worst <= GOAL else 'NOT met'}")
+    for exp, alloc, measured, pred in table:
+        print(f"\n{exp} {alloc}: measured {measured:.4f} s\n{pred.describe()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

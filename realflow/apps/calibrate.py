@@ -11,6 +11,7 @@ from published figures (``h100``, ``h200``, ``a100``) need no calibration.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -71,6 +72,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CalibrationError as e:
         print(f"error: calibration failed: {e}", file=sys.stderr)
         return 2
+    try:  # the training framework's own fixed costs (an app may import the model package)
+        from parallel.overheads import measure_engine_overheads
+
+        prof = dataclasses.replace(prof, **measure_engine_overheads(repeats=3 if args.quick else 7))
+    except Exception as e:  # noqa: BLE001 - the primitive profile is still usable
+        print(f"warning: framework overheads not measured ({type(e).__name__}: {e}); the planner will count "
+              f"primitive ops instead", file=sys.stderr)
     out = Path(args.out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,7 @@ def server_tokens_per_s(facts: ModelFacts, tp: int, cluster: ClusterSpec, worklo
     kv = conc * ctx * facts.kv_bytes_per_token(dev.params_bytes) / tp
     flops = (facts.gemm_flops_fwd(conc) + facts.attn_flops_fwd(conc * ctx * 2)) / tp
     step = max(flops / dev.matmul_flops, (weights + kv) / dev.memory_bandwidth)
-    step += facts.layers * dev.decode_layer_overhead_s
+    step += facts.layers * dev.decode_layer_overhead_s + dev.decode_step_overhead_s
     step += facts.layers * 2 * allreduce_s(cluster.device.intra_node, tp, conc * facts.hidden * dev.params_bytes)
     prefill = 2.0 * facts.params * workload.prompt_len / dev.matmul_flops / tp  # per sequence
     per_token = step / conc + prefill / workload.gen_len_mean

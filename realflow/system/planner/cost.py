@@ -90,6 +90,7 @@ class Work:
     gen_len_mean: float = 0.0
     max_tokens_per_mb: int = 0  # 0: one micro-batch per rank
     kv_budget_bytes: float = 0.0  # generate: memory a rank may give the KV cache (0 = unbounded)
+    updates: int = 1  # train: optimizer steps per call (PPO epochs x mini-batches)
 
 
 @dataclass
@@ -142,18 +143,24 @@ def mfc_cost(facts: ModelFacts, s: ParallelStrategy, workers: Sequence[int], wor
         return Cost(**{k: waves * v for k, v in vars(one).items()})
     c = Cost()
     tokens = seqs_rank * work.seq_len
-    mbs = _micro_batches(tokens, work)
-    mbs = max(mbs, s.pp) if s.pp > 1 else mbs  # a pipeline is fed at least one micro-batch per stage
+    # every update's mini-batch is split into micro-batches of its own
+    mbs = work.updates * _micro_batches(tokens / work.updates, work)
+    mbs = max(mbs, s.pp * work.updates) if s.pp > 1 else mbs  # a pipeline is fed one micro-batch per stage
     factor = 3.0 if work.kind == "train" else 1.0
     _forward(c, facts, s, tokens, seqs_rank * work.seq_len ** 2, layers_stage, mbs, dev, tp_link, factor)
+    measured = dev.layer_train_overhead_s if work.kind == "train" else dev.layer_forward_overhead_s
+    if measured > 0:  # the framework's measured cost per layer replaces the primitive-op count
+        c.overhead = mbs * layers_stage * measured + (dev.forward_overhead_s if work.kind != "train" else 0.0)
     mb_act = tokens / mbs * facts.hidden * dev.params_bytes
     c.pp_comm += (s.pp - 1) * mbs * p2p_s(pp_link, mb_act) * (2 if work.kind == "train" else 1)
     per_stage = c.compute + c.overhead + c.tp_comm
-    c.bubble += per_stage * (s.pp - 1) / mbs
+    c.bubble += per_stage * (s.pp - 1) * work.updates / mbs
     if work.kind == "train":
         rank_params = facts.params / (s.tp * s.pp)
-        c.dp_sync += allreduce_s(dp_link, s.dp, rank_params * 4)  # fp32 main grads
-        c.optimizer += rank_params / s.dp * 16 * 3 / dev.memory_bandwidth + 4 * layers_stage * dev.op_overhead_s
+        u = work.updates
+        c.dp_sync += u * allreduce_s(dp_link, s.dp, rank_params * 4)  # fp32 main grads, every update
+        c.optimizer += u * (rank_params / s.dp * 16 * 3 / dev.memory_bandwidth
+                            + (dev.train_step_overhead_s or 4 * layers_stage * dev.op_overhead_s))
     return c
 
 
@@ -184,7 +191,8 @@ def _generate(facts: ModelFacts, s: ParallelStrategy, work: Work, seqs_rank: flo
     kv_bytes = live * ctx * facts.kv_bytes_per_token(dev.params_bytes) / (s.tp * s.pp)
     flops = (facts.gemm_flops_fwd(live) + facts.attn_flops_fwd(live * ctx * 2)) / (s.tp * s.pp)
     c.compute += steps * max(flops / dev.matmul_flops, (weight_reads + kv_bytes) / dev.memory_bandwidth)
-    c.overhead += steps * facts.layers * dev.decode_layer_overhead_s  # every stage, once per micro-batch
+    c.overhead += steps * (facts.layers * dev.decode_layer_overhead_s  # every stage, once per micro-batch
+                           + dev.decode_step_overhead_s)
     act = live * facts.hidden * dev.params_bytes
     c.tp_comm += steps * layers_stage * 2 * allreduce_s(tp_link, s.tp, act)
     c.pp_comm += steps * (s.pp - 1) * p2p_s(pp_link, act)

@@ -52,6 +52,13 @@ class DeviceProfile:
     # measured by `realflow calibrate` (ring all-gather; send/recv of one message); None: as intra_node
     intra_node_all_gather: Optional[LinkProfile] = None
     intra_node_p2p: Optional[LinkProfile] = None
+    # the training framework's own fixed costs (megatron-core: parallel/overheads.py), measured by
+    # `realflow calibrate`; 0 = count primitive ops instead (the published GPU profiles)
+    layer_train_overhead_s: float = 0.0  # per layer and micro-batch, forward + backward
+    layer_forward_overhead_s: float = 0.0  # per layer and micro-batch, forward only
+    train_step_overhead_s: float = 0.0  # per optimizer step (loss, schedule, optimizer)
+    forward_overhead_s: float = 0.0  # per forward call
+    decode_step_overhead_s: float = 0.0  # per decode step beyond its layers (sampling, scheduling)
 
     def link(self, op: str) -> LinkProfile:
         """The intra-node link of ``op`` ("all_reduce", "all_gather" or "p2p")."""
@@ -82,6 +89,8 @@ class DeviceProfile:
 
 
 LINK_FIELDS = ("intra_node", "intra_node_all_gather", "intra_node_p2p")
+FRAMEWORK_FIELDS = ("layer_train_overhead_s", "layer_forward_overhead_s", "train_step_overhead_s", "forward_overhead_s",
+                    "decode_step_overhead_s")
 
 
 def profile_from_dict(d: dict[str, Any], where: str = "profile") -> DeviceProfile:
@@ -90,7 +99,7 @@ def profile_from_dict(d: dict[str, Any], where: str = "profile") -> DeviceProfil
     if unknown:
         raise ProfileError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
     missing = sorted(f.name for f in fields(DeviceProfile)
-                     if f.name not in d and f.name not in ("params_bytes", *LINK_FIELDS))
+                     if f.name not in d and f.name not in ("params_bytes", *LINK_FIELDS, *FRAMEWORK_FIELDS))
     if missing:
         raise ProfileError(f"{where}: missing field(s) {missing}")
     d = dict(d)

@@ -115,6 +115,7 @@ def _works(plan: ExecutionPlan, workload: Workload, rollout: Any = None) -> dict
     for m in plan.graph.mfcs:
         kind = _KIND[m.interface_type]
         mb = int(m.mb_spec.max_tokens_per_mb or 0)
+        ups = int(m.interface_args.get("ppo_epochs", 1)) * int(m.interface_args.get("n_minibatches", 1))
         if kind == "generate":
             max_new = float(m.interface_args.get("max_new_tokens", workload.gen_len_max))
             gmax = min(workload.gen_len_max, max_new)
@@ -123,9 +124,11 @@ def _works(plan: ExecutionPlan, workload: Workload, rollout: Any = None) -> dict
                                gmax, min(workload.gen_len_mean, gmax), mb)
         elif gens or per_rollout:
             out[m.name] = Work(kind, generated or m.n_seqs * per_rollout, workload.prompt_len + workload.gen_len_mean,
-                               max_tokens_per_mb=mb or int(workload.max_tokens_per_mb))
+                               max_tokens_per_mb=mb or int(workload.max_tokens_per_mb),
+                               updates=ups if kind == "train" else 1)
         else:
-            out[m.name] = Work(kind, m.n_seqs, workload.seq_len, max_tokens_per_mb=mb or int(workload.max_tokens_per_mb))
+            out[m.name] = Work(kind, m.n_seqs, workload.seq_len, max_tokens_per_mb=mb or int(workload.max_tokens_per_mb),
+                               updates=ups if kind == "train" else 1)
     return out
 
 

@@ -202,7 +202,14 @@ def _generate(facts: ModelFacts, s: ParallelStrategy, work: Work, seqs_rank: flo
 def _forward(c: Cost, facts: ModelFacts, s: ParallelStrategy, tokens: float, sum_sq: float, layers_stage: int,
              mbs: int, dev: Any, tp_link: LinkProfile, factor: float = 1.0) -> None:
     split = s.tp * s.pp
-    c.compute += factor * facts.gemm_flops_fwd(tokens) / split / dev.matmul_flops
+    per_token = dev.layer_train_token_s if factor > 1 else dev.layer_forward_token_s
+    if per_token > 0 and dev.layer_reference_params > 0:
+        # the engine's measured cost per token of a layer (GEMMs, elementwise passes, norms), scaled
+        # by the layer's size; the LM head's GEMM on top, from the primitive rate
+        c.compute += tokens * layers_stage * per_token * facts.layer_params / dev.layer_reference_params / s.tp
+        c.compute += factor * 2.0 * facts.vocab * facts.hidden * tokens / s.tp / dev.matmul_flops
+    else:
+        c.compute += factor * facts.gemm_flops_fwd(tokens) / split / dev.matmul_flops
     c.compute += (factor + 0.5 * (factor > 1)) * facts.attn_flops_fwd(sum_sq) / split / dev.attention_flops
     calls = mbs * layers_stage * factor
     c.overhead += calls * (GEMMS_PER_LAYER * dev.matmul_overhead_s + dev.attention_overhead_s

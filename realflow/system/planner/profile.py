@@ -59,6 +59,9 @@ class DeviceProfile:
     train_step_overhead_s: float = 0.0  # per optimizer step (loss, schedule, optimizer)
     forward_overhead_s: float = 0.0  # per forward call
     decode_step_overhead_s: float = 0.0  # per decode step beyond its layers (sampling, scheduling)
+    layer_train_token_s: float = 0.0  # per layer and token, forward + backward, at the reference layer
+    layer_forward_token_s: float = 0.0  # per layer and token, forward, at the reference layer
+    layer_reference_params: float = 0.0  # parameters of that reference layer (costs scale with them)
 
     def link(self, op: str) -> LinkProfile:
         """The intra-node link of ``op`` ("all_reduce", "all_gather" or "p2p")."""
@@ -78,7 +81,7 @@ class DeviceProfile:
                     if not isinstance(v, LinkProfile):
                         raise ProfileError(f"{where}: {f.name} must be a LinkProfile, got {v!r}")
                     v.validate(f"{where}: {f.name}")
-            elif f.name.endswith("_s"):
+            elif f.name.endswith("_s") or f.name in FRAMEWORK_FIELDS:
                 if not isinstance(v, (int, float)) or v < 0:
                     raise ProfileError(f"{where}: {f.name}={v!r} must be a number >= 0")
             elif not isinstance(v, (int, float)) or not v > 0:
@@ -90,7 +93,7 @@ class DeviceProfile:
 
 LINK_FIELDS = ("intra_node", "intra_node_all_gather", "intra_node_p2p")
 FRAMEWORK_FIELDS = ("layer_train_overhead_s", "layer_forward_overhead_s", "train_step_overhead_s", "forward_overhead_s",
-                    "decode_step_overhead_s")
+                    "decode_step_overhead_s", "layer_train_token_s", "layer_forward_token_s", "layer_reference_params")
 
 
 def profile_from_dict(d: dict[str, Any], where: str = "profile") -> DeviceProfile:

@@ -6,6 +6,7 @@ the search finds the enumerated optimum, and what cannot work is a clear error.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -110,3 +111,14 @@ def test_plan_command_prints_ranked_plans_and_draws_the_timeline(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "realflow.apps.main", "plan", "model=qwen2.5-7b", "cluster=16xh100",
                           "experiment=grpo-math", "workload.gen_len=5"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown workload key(s) ['gen_len']" in bad.stderr
+
+
+def test_allocation_auto_chooses_before_the_run_and_says_why(tmp_path):
+    """On this machine's profile (the shipped cpu-example unless REALFLOW_DEVICE_PROFILE names one),
+    the default GRPO model is fastest data-parallel (as bench_planner measures): auto picks d2."""
+    env = {k: v for k, v in os.environ.items() if k != "REALFLOW_DEVICE_PROFILE"}
+    res = subprocess.run([sys.executable, "-m", "realflow.apps.main_sync_ppo", "allocation=auto", f"fileroot={tmp_path}",
+                          "--dry-run"], capture_output=True, text=True, timeout=180, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "allocation=auto chose 'd2'" in res.stdout and "best single global strategy: 'd2'" in res.stdout
+    assert "workload assumed:" in res.stdout

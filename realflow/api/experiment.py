@@ -9,6 +9,7 @@ config object of another. The setup must therefore be a pure function of the con
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -48,12 +49,16 @@ class OptimizerConfig:
                              f"{self.warmup_steps_proportion}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"OptimizerConfig.min_lr_ratio={self.min_lr_ratio} not in [0, 1]")
-        if not self.lr >= 0:
-            raise ValueError(f"OptimizerConfig.lr={self.lr} must be >= 0")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"OptimizerConfig.weight_decay={self.weight_decay} must be >= 0")
-        if not self.gradient_clipping >= 0:
-            raise ValueError(f"OptimizerConfig.gradient_clipping={self.gradient_clipping} must be >= 0 (0 = off)")
+        # a non-finite value can only poison the run (inf lr -> NaN weights after one step)
+        for name in ("lr", "weight_decay", "gradient_clipping", "eps"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"OptimizerConfig.{name}={value} must be a finite number >= 0"
+                                 + (" (0 = off)" if name == "gradient_clipping" else ""))
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"OptimizerConfig.{name}={value} must be in [0, 1)")
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Optional
 from realflow.api.config import ConfigError, import_modules, parse_overrides
 from realflow.api.experiment import experiment_registry
 
-PLANNER_KEYS = ("model", "cluster", "profile")
+PLANNER_KEYS = ("model", "cluster", "profile", "sync_experiment")  # sync_experiment: --scaling's baseline
 AREAL_FIGURE = ("AReaL (arXiv 2505.24298, abstract): up to 2.77x the training speed of synchronous systems with the "
                 "same number of GPUs")
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.experiment import ExperimentSetup
-from realflow.api.mfc import ModelInterfaceType
 from realflow.system.planner.cluster import ClusterSpec
 from realflow.system.planner.simulate import Prediction, Workload, simulate
 
@@ -142,7 +141,7 @@ def search(setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str, d
                 pred = ev(_per_mfc(trial, fill))
                 if pred is not None and (best is None or pred.step_s < best.step_s * (1 - 1e-9)):
                     best, current, improved = pred, trial, True
-        paired = _pair_moves(ev, names, cands, current, fill, best, setup)
+        paired = _pair_moves(ev, names, cands, current, fill, best)
         if paired:
             best, current = paired
         elif not improved:
@@ -156,21 +155,15 @@ def search(setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str, d
 
 
 def _pair_moves(ev: "_Evaluator", names: list[str], cands: list[Choice], current: dict[str, Choice], fill: str,
-                best: Optional[Prediction], setup: ExperimentSetup
-                ) -> Optional[tuple[Prediction, dict[str, Choice]]]:
+                best: Optional[Prediction]) -> Optional[tuple[Prediction, dict[str, Choice]]]:
     """Put two MFCs that do not depend on each other on the two halves at once (a move neither
     makes alone pays off, as each would wait for the other's half). Returns (best, current) when
     it found something faster, else None."""
     import networkx as nx
 
-    g = nx.DiGraph()
-    for m in setup.mfcs:
-        g.add_node(m.name)
-    keys = {m.name: set(m.output_keys) for m in setup.mfcs}
-    for m in setup.mfcs:
-        for other, out in keys.items():
-            if other != m.name and out & set(m.input_keys):
-                g.add_edge(other, m.name)
+    if best is None:
+        return None
+    g = best.plan.graph.nx_graph  # the compiled graph's own edges
     halves = [c for c in cands if c.mesh is not None]
     found = False
     for a, b in itertools.combinations(names, 2):
@@ -223,10 +216,3 @@ def _closest_miss(rejected: dict[str, str], cluster: ClusterSpec) -> str:
     why = mem[0] if mem else next(iter(rejected.values()), "no candidate layout")
     return (f"no allocation fits {cluster.n_devices} x {cluster.device.name} "
             f"({cluster.device.memory_bytes / 2**30:.0f} GiB each); {len(rejected)} layouts rejected, e.g.: {why}")
-
-
-def is_generate(setup: ExperimentSetup, name: str) -> bool:
-    return any(m.name == name and m.interface_type == ModelInterfaceType.GENERATE for m in setup.mfcs)
-
-
-Objective = Callable[[Prediction], float]

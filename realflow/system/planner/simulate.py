@@ -176,7 +176,7 @@ def simulate(setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str,
         for w in workers:
             free[w] = stop
         end[name] = stop
-        timings.append(MFCTiming(name, role, work.kind, _layout_text(p.layout), tuple(workers), start, stop, cost,
+        timings.append(MFCTiming(name, role, work.kind, _layout_text(p.layout, cluster.n_devices), tuple(workers), start, stop, cost,
                                  hooks))
         extra = activation_bytes(facts[role], s, work, cluster.device.params_bytes) + copy
         for w in workers:
@@ -188,10 +188,10 @@ def simulate(setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str,
                       list(plan.notes))
 
 
-def _layout_text(layout: Any) -> str:
-    """``d2t4p2`` on every device, else with its devices (``d2@0-1``)."""
+def _layout_text(layout: Any, n_devices: int) -> str:
+    """``d2t4p2`` on every device, else with its devices (``d1t1p1@[0-3]``)."""
     text = layout.short()
-    return text.split("@")[0]
+    return text.split("@")[0] if len(layout.workers) == n_devices else text
 
 
 def _hook_s(h: Any, facts: dict[str, ModelFacts], cluster: ClusterSpec) -> float:

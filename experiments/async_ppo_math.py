@@ -70,8 +70,12 @@ class _AsyncBase(_RLBase):
     _graph = "async_ppo"
 
     def _split_allocation(self) -> tuple[Any, str]:
-        """``gen:<strategy>+<trainer allocation>`` -> (generation strategy, trainer allocation)."""
+        """``gen:<strategy>+<trainer allocation>`` -> (generation strategy, trainer allocation).
+        ``auto`` -> (one server, ``auto``): the launcher's planner replaces both before any worker
+        starts, splitting ``n_workers`` devices between the servers and the trainer."""
         alloc = self.allocation or "gen:d1+train:d1"
+        if alloc == "auto":
+            return parse_strategy("d1"), "auto"
         terms = [t.strip() for t in alloc.split("+")]
         gen = [t for t in terms if t.startswith("gen:")]
         rest = [t for t in terms if not t.startswith("gen:")]
@@ -111,7 +115,7 @@ class _AsyncBase(_RLBase):
         self._check_gen_fits(gen.tp, actor)
         agent_registry.get(r.agent)  # an unknown agent fails here, naming the close ones
         REWARD_FUNCTIONS.get(self.reward)
-        train_workers = self.n_train_workers(train_alloc)
+        train_workers = self.n_workers if train_alloc == "auto" else self.n_train_workers(train_alloc)
         adv = {"estimator": h.estimator, "gamma": h.gamma, "lam": h.lam, "kl_coef": h.kl_coef,
                "kl_ctl": h.kl_ctl, "kl_target": h.kl_target, "adv_norm": h.adv_norm,
                "mask_truncated": h.mask_truncated}

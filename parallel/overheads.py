@@ -1,14 +1,21 @@
-"""The fixed costs of megatron-core on this device, for the planner's device profile.
+"""The costs of megatron-core itself on this machine, for the planner's device profile.
 
-Why measured here and not counted from primitive ops: a megatron layer's forward and
-backward run ~100 framework ops each (norms, rotary, reshapes, the distributed optimizer's
-bookkeeping), and on small or CPU models that Python and dispatch time, not the GEMMs,
-sets the step time. Timing a tiny model (whose GEMMs cost nothing) at two depths separates
-the cost per layer from the cost per call (loss, schedule, optimizer step).
+Why measured in the engine and not counted from primitive ops: a megatron layer's forward and
+backward run ~100 framework ops each (norms, rotary, reshapes, sequence-parallel gathers, the
+distributed optimizer's bookkeeping), and on small or CPU models that Python and dispatch time,
+not the GEMMs, sets the step time. A tiny model is timed at three depths and two token counts;
+least-squares lines through those points separate the cost per layer and token, per layer and
+micro-batch, and per call (loss, schedule, optimizer step).
+
+Why on ``world`` concurrent processes: a run's workers share the host (cores, caches, memory
+bandwidth), so one process timed alone is a faster "device" than any worker of a run. Every
+rank of a ``world``-process gloo group measures at once, as data parallel (each rank its own
+batch: the run's default) and, when ``world`` is even, as tensor parallel over pairs of ranks
+(``tp_*`` costs: the layer's split GEMMs plus megatron's sequence-parallel collectives, measured
+rather than modelled).
 """
 from __future__ import annotations
 
-import socket
 import statistics
 import time
 from typing import Any, Callable
@@ -17,18 +24,19 @@ from typing import Any, Callable
 TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=128, intermediate_size=352,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=1024,
             hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)
-DEPTHS = (2, 6)
-TOKENS = 32
-MANY_TOKENS = 512  # with TOKENS: the per-token cost of a layer (GEMMs, elementwise passes, norms)
+DEPTHS = (2, 4, 6)
+TOKENS = (32, 512)  # per rank: the per-token cost of a layer is the slope between them
 SEQ = 16  # tokens per packed sequence
 DECODE_BATCH = 8
 DECODE_STEPS = (2, 18)
+MEASURED_TP = 2
 
 
-def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+def _median_s(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
     fn()  # warm up
     times = []
     for _ in range(repeats):
+        sync()  # every rank starts together: the same contention as a run's step
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -42,71 +50,102 @@ def _layer_params(cfg: dict[str, Any]) -> int:
         + 3 * f * h
 
 
-def measure_engine_overheads(repeats: int = 7) -> dict[str, float]:
-    """Seconds: ``layer_train_token_s`` / ``layer_forward_token_s`` (per layer and token, at the reference
-    layer of ``layer_reference_params`` parameters), ``layer_train_overhead_s`` /
-    ``layer_forward_overhead_s`` (per layer and micro-batch),
-    ``train_step_overhead_s`` (per optimizer step), ``forward_overhead_s`` (per forward call) and
-    ``decode_layer_overhead_s`` / ``decode_step_overhead_s`` (per layer, and fixed, of one decode step of
-    the generation engine at a small batch: sampling, scheduling, the KV cache's bookkeeping).
-    Runs in this process on one rank (starts a 1-rank gloo group if none exists)."""
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope)."""
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - slope * mx, slope
+
+
+def fit_costs(t: dict[tuple[int, int], float]) -> tuple[float, float, float]:
+    """(per layer and token, per layer and micro-batch, per call) from times at DEPTHS x TOKENS."""
+    lo, hi = TOKENS
+    fixed, per_layer = {}, {}
+    for n in TOKENS:
+        fixed[n], per_layer[n] = _line([float(d) for d in DEPTHS], [t[d, n] for d in DEPTHS])
+    per_token = max((per_layer[hi] - per_layer[lo]) / (hi - lo), 0.0)
+    return per_token, max(per_layer[lo] - per_token * lo, 0.0), max(fixed[lo], 0.0)
+
+
+def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> dict[str, float]:
     import torch
-    import torch.distributed as dist
 
     from parallel.engine import MegatronEngine
     from parallel.generation import EngineConfig, GenerationEngine
     from parallel.groups import build_model_groups
     from parallel.optim import EngineOptimizerConfig
-    from realflow.api.allocation import ParallelStrategy
     from realflow.api.generation import SamplingParams
 
-    own = not dist.is_initialized()
-    if own:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        groups = build_model_groups([0], ParallelStrategy(1, 1, 1))
-        ids = torch.randint(0, TINY["vocab_size"], (TOKENS,), generator=torch.Generator().manual_seed(0))
-        prompts = [ids[:8].tolist()] * DECODE_BATCH
-        many = torch.randint(0, TINY["vocab_size"], (MANY_TOKENS,), generator=torch.Generator().manual_seed(1))
-        batches = {TOKENS: (ids, [SEQ] * (TOKENS // SEQ)), MANY_TOKENS: (many, [SEQ] * (MANY_TOKENS // SEQ))}
+    groups = build_model_groups(list(range(strategy.world_size)), strategy)
+    batches = {}
+    for n in TOKENS:  # each data-parallel rank its own batch
+        ids = torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(n + groups.dp_rank))
+        batches[n] = (ids, [SEQ] * (n // SEQ))
+    prompts = [batches[TOKENS[0]][0][:8].tolist()] * DECODE_BATCH
 
-        def loss_for(t: Any):
-            tg = torch.roll(t, -1)
-            return lambda out, extra: (-out.logprobs(tg).sum(), {})
+    def loss_for(t: Any):
+        tg = torch.roll(t, -1)
+        return lambda out, extra: (-out.logprobs(tg).sum(), {})
 
-        fwd, train, dec = {}, {}, {}
-        for depth in DEPTHS:
-            eng = MegatronEngine(dict(TINY, num_hidden_layers=depth), groups, None,
-                                 EngineOptimizerConfig(lr=1e-5, total_train_steps=1000), seed=1)
-            for n, (t, lens) in batches.items():
-                fwd[depth, n] = _median_s(lambda: eng.logprobs(t, lens), repeats)
-                train[depth, n] = _median_s(lambda: eng.train_batch([(t, lens, None)], loss_for(t), lambda _: 1.0),
-                                            repeats)
-            gen = GenerationEngine.from_megatron(eng, EngineConfig(max_running_requests=DECODE_BATCH))
-            steps = {n: _median_s(lambda n=n: gen.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True)),
-                                  max(repeats // 2, 2)) for n in DECODE_STEPS}
-            lo_n, hi_n = DECODE_STEPS
-            dec[depth] = (steps[hi_n] - steps[lo_n]) / (hi_n - lo_n)
-        lo, hi = DEPTHS
-        out: dict[str, float] = {}
-        for name, t in (("train", train), ("forward", fwd)):
-            per_layer = {n: (t[hi, n] - t[lo, n]) / (hi - lo) for n in (TOKENS, MANY_TOKENS)}
-            per_token = max((per_layer[MANY_TOKENS] - per_layer[TOKENS]) / (MANY_TOKENS - TOKENS), 0.0)
-            out[f"layer_{name}_token_s"] = per_token
-            out[f"layer_{name}_overhead_s"] = max(per_layer[TOKENS] - per_token * TOKENS, 0.0)
-            fixed = t[lo, TOKENS] - lo * per_layer[TOKENS]
-            out["train_step_overhead_s" if name == "train" else "forward_overhead_s"] = max(fixed, 0.0)
-        out["layer_reference_params"] = float(_layer_params(TINY))
-        decode_layer = max((dec[hi] - dec[lo]) / (hi - lo), 0.0)
-        out["decode_layer_overhead_s"] = decode_layer
-        out["decode_step_overhead_s"] = max(dec[lo] - lo * decode_layer, 0.0)
-        return out
-    finally:
-        if own:
-            dist.destroy_process_group()
+    fwd, train, dec = {}, {}, {}
+    for depth in DEPTHS:
+        eng = MegatronEngine(dict(TINY, num_hidden_layers=depth), groups, None,
+                             EngineOptimizerConfig(lr=1e-5, total_train_steps=1000), seed=1)
+        for n, (t, lens) in batches.items():
+            fwd[depth, n] = _median_s(lambda: eng.logprobs(t, lens), repeats, sync)
+            train[depth, n] = _median_s(lambda: eng.train_batch([(t, lens, None)], loss_for(t), lambda _: 1.0),
+                                        repeats, sync)
+        gen = GenerationEngine.from_megatron(eng, EngineConfig(max_running_requests=DECODE_BATCH))
+        steps = {n: _median_s(lambda n=n: gen.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True)),
+                              max(repeats // 2, 2), sync) for n in DECODE_STEPS}
+        lo_n, hi_n = DECODE_STEPS
+        dec[depth] = (steps[hi_n] - steps[lo_n]) / (hi_n - lo_n)
+    out: dict[str, float] = {}
+    for name, t in (("train", train), ("forward", fwd)):
+        per_token, per_layer, fixed = fit_costs(t)
+        out[f"layer_{name}_token_s"] = per_token
+        out[f"layer_{name}_overhead_s"] = per_layer
+        out["train_step_overhead_s" if name == "train" else "forward_overhead_s"] = fixed
+    fixed, per_layer = _line([float(d) for d in DEPTHS], [dec[d] for d in DEPTHS])
+    out["decode_layer_overhead_s"] = max(per_layer, 0.0)
+    out["decode_step_overhead_s"] = max(fixed, 0.0)
+    return out
+
+
+def case_measure(ctx: Any, repeats: int = 5) -> dict[str, float]:
+    """Run on every rank of a gloo group (:func:`parallel.testing.run_cases`): the data-parallel
+    costs, then (even world) the tensor-parallel ones as ``tp_*``."""
+    import torch
+    import torch.distributed as dist
+
+    from realflow.api.allocation import ParallelStrategy
+
+    torch.manual_seed(0)
+    sync = dist.barrier
+    out = _measure_layout(ParallelStrategy(dp=ctx.world_size), repeats, sync)
+    if ctx.world_size % MEASURED_TP == 0:
+        tp = _measure_layout(ParallelStrategy(dp=ctx.world_size // MEASURED_TP, tp=MEASURED_TP), repeats, sync)
+        out.update({f"tp_{k}": v for k, v in tp.items() if k.startswith(("layer_", "decode_layer"))})
+        out["measured_tp"] = float(MEASURED_TP)
+    out["layer_reference_params"] = float(_layer_params(TINY))
+    return out
+
+
+def case_measure_quick(ctx: Any) -> dict[str, float]:
+    return case_measure(ctx, repeats=3)
+
+
+def measure_engine_overheads(world: int = 2, quick: bool = False, timeout_s: float = 600.0) -> dict[str, float]:
+    """The profile's framework fields (see :class:`realflow.system.planner.profile.DeviceProfile`),
+    measured on ``world`` concurrent worker processes; each value the median over the ranks."""
+    from parallel.testing import run_cases
+
+    name = "case_measure_quick" if quick else "case_measure"
+    res = run_cases([f"parallel.overheads:{name}"], world_size=world, timeout=timeout_s)[name]
+    if not res.ok:
+        raise RuntimeError(f"engine cost measurement on {world} processes failed: {res.error[-2000:]}")
+    ranks = list(res.data.values())
+    return {k: statistics.median(float(r[k]) for r in ranks) for k in ranks[0]}
 
 
 if __name__ == "__main__":

@@ -122,3 +122,25 @@ def test_allocation_auto_chooses_before_the_run_and_says_why(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "allocation=auto chose 'd2'" in res.stdout and "best single global strategy: 'd2'" in res.stdout
     assert "workload assumed:" in res.stdout
+
+
+def test_allocation_auto_splits_an_asynchronous_run_between_servers_and_trainer(tmp_path):
+    """``n_workers`` devices in all: the planner picks how many generate and the trainer's plan;
+    the dry run shows the split it will start (builtin servers are one process each)."""
+    env = {k: v for k, v in os.environ.items() if k != "REALFLOW_DEVICE_PROFILE"}
+    res = subprocess.run([sys.executable, "-m", "realflow.apps.main_async_ppo", "allocation=auto", "n_workers=3",
+                          f"fileroot={tmp_path}", "--dry-run"], capture_output=True, text=True, timeout=180, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("allocation=auto chose"))
+    chosen = line.split("'")[1]
+    gen, train = chosen.split("+")
+    from experiments.async_ppo_math import _AsyncBase
+    from realflow.api.allocation import parse_strategy
+
+    servers = parse_strategy(gen.removeprefix("gen:"))
+    assert servers.tp == 1 and servers.dp + _AsyncBase.n_train_workers(train) == 3, chosen
+    assert "generation/training splits compared" in res.stdout and "predicted:" in res.stdout
+    assert f"gen_server/0..{servers.dp - 1}: builtin backend, tp=1" in res.stdout  # what the run starts
+    one = subprocess.run([sys.executable, "-m", "realflow.apps.main_async_ppo", "allocation=auto", "n_workers=1",
+                          f"fileroot={tmp_path}", "--dry-run"], capture_output=True, text=True, timeout=180, env=env)
+    assert one.returncode == 2 and "needs at least 2 workers" in one.stderr

@@ -75,7 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:  # the training framework's own fixed costs (an app may import the model package)
         from parallel.overheads import measure_engine_overheads
 
-        prof = dataclasses.replace(prof, **measure_engine_overheads(repeats=3 if args.quick else 7))
+        prof = dataclasses.replace(prof, **measure_engine_overheads(world=max(args.world, 1), quick=args.quick))
     except Exception as e:  # noqa: BLE001 - the primitive profile is still usable
         print(f"warning: framework overheads not measured ({type(e).__name__}: {e}); the planner will count "
               f"primitive ops instead", file=sys.stderr)

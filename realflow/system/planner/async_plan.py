@@ -31,6 +31,7 @@ class AsyncPlan:
     gen_batch_s: float  # generating one training batch on all servers
     weight_update_s: float
     step_s: float
+    considered: int = 0  # splits (generation devices x server tp) that were priced
 
     @property
     def allocation(self) -> str:
@@ -75,20 +76,22 @@ def _sub_cluster(cluster: ClusterSpec, n: int) -> ClusterSpec:
 
 def plan_async(trainer_setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str, dict[str, Any]],
                workload: Workload, actor: str = "actor", max_running: int = 128,
-               seqs_per_step: Optional[int] = None) -> AsyncPlan:
-    """The fastest split found (generation devices and tp, trainer plan); raises NoPlanFits."""
+               seqs_per_step: Optional[int] = None, max_gen_tp: int = 8) -> AsyncPlan:
+    """The fastest split found (generation devices and tp <= ``max_gen_tp``, trainer plan);
+    raises NoPlanFits."""
     facts = ModelFacts.from_hf(model_cfgs[actor])
     n = cluster.n_devices
     seqs = seqs_per_step or max(m.n_seqs for m in trainer_setup.mfcs)
     best: Optional[AsyncPlan] = None
     misses = []
-    for share in (1, 2, 3, 4, 5, 6, 7):  # eighths of the cluster generate
-        g = n * share // 8
+    considered = 0
+    for g in sorted({n * share // 8 for share in range(1, 8)}):  # eighths of the cluster generate
         if g < 1 or n - g < 1:
             continue
         for tp in (1, 2, 4, 8):
-            if g % tp or tp > cluster.devices_per_node or facts.heads % tp or facts.kv_heads % tp:
+            if tp > max_gen_tp or g % tp or tp > cluster.devices_per_node or facts.heads % tp or facts.kv_heads % tp:
                 continue
+            considered += 1
             rate = server_tokens_per_s(facts, tp, cluster, workload, max_running)
             if rate <= 0:
                 misses.append(f"gen tp={tp}: weights do not leave room for a KV cache")
@@ -107,4 +110,5 @@ def plan_async(trainer_setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs:
                 best = AsyncPlan(g, tp, train, gen_s, update, step)
     if best is None:
         raise NoPlanFits("no asynchronous split fits: " + "; ".join(misses[:3]))
+    best.considered = considered
     return best

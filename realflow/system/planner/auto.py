@@ -65,8 +65,11 @@ def _host_memory_per_worker(n_workers: int) -> Optional[int]:
 def assumed_workload(setup: ExperimentSetup) -> Workload:
     """Half of each configured length limit (the run's real lengths are unknown before it)."""
     args = setup.dataset.args
-    gen_max = max((float(m.interface_args.get("max_new_tokens", 0)) for m in setup.mfcs
-                   if m.interface_type == ModelInterfaceType.GENERATE), default=0.0) or 512.0
+    limits = [float(m.interface_args.get("max_new_tokens", 0)) for m in setup.mfcs
+              if m.interface_type == ModelInterfaceType.GENERATE]
+    if setup.rollout is not None:  # asynchronous: the rollout agent generates
+        limits.append(float((setup.rollout.agent_args or {}).get("max_new_tokens", 0)))
+    gen_max = max(limits, default=0.0) or 512.0
     prompt = float(args.get("max_prompt_len") or 256) / 2
     seq = float(args.get("max_seq_len") or 1024) / 2
     return Workload(prompt_len=max(prompt, 1.0), gen_len_mean=max(gen_max / 2, 1.0), gen_len_max=gen_max,
@@ -95,6 +98,8 @@ def model_configs(setup: ExperimentSetup) -> dict[str, dict[str, Any]]:
 
 def choose_allocation(setup: ExperimentSetup) -> tuple[str, str]:
     """(the best allocation found, a few lines saying what was compared and assumed)."""
+    if setup.rollout is not None:
+        return _choose_async(setup)
     cluster = local_cluster(setup.n_workers)
     workload = assumed_workload(setup)
     base = dataclasses.replace(setup, allocation=f"d{setup.n_workers}")
@@ -111,3 +116,34 @@ def choose_allocation(setup: ExperimentSetup) -> tuple[str, str]:
                      f"({result.best_global.step_s:.3g} s)")
     lines += [f"  runner-up: {p.allocation!r} ({p.step_s:.3g} s)" for p in result.ranked[1:]]
     return result.best.allocation, "\n".join(lines)
+
+
+def _choose_async(setup: ExperimentSetup) -> tuple[str, str]:
+    """An asynchronous run: ``n_workers`` devices split between generation servers and the
+    trainer (:func:`.async_plan.plan_async`); servers of the builtin backend are one process each."""
+    from realflow.api.allocation import ParallelStrategy
+    from realflow.system.planner.async_plan import plan_async
+    from realflow.system.planner.search import short
+
+    cluster = local_cluster(setup.n_workers)
+    if cluster.n_devices < 2:
+        raise PlanError(f"allocation=auto: an asynchronous run needs at least 2 workers (one generation server, "
+                        f"one trainer); n_workers={setup.n_workers}")
+    workload = assumed_workload(setup)
+    trainer = dataclasses.replace(setup, allocation=f"d{setup.n_workers}")
+    n_samples = int((setup.rollout.agent_args or {}).get("n_samples", 1))
+    max_tp = 1 if setup.rollout.backend == "builtin" else cluster.devices_per_node
+    try:
+        ap = plan_async(trainer, cluster, model_configs(setup), workload, max_running=setup.rollout.max_running_requests,
+                        seqs_per_step=max(m.n_seqs for m in setup.mfcs) * n_samples, max_gen_tp=max_tp)
+    except NoPlanFits as e:
+        raise PlanError(f"allocation=auto: {e}") from None
+    train = ap.train.best.allocation
+    gen = short(ParallelStrategy(dp=ap.gen_devices // ap.gen_tp, tp=ap.gen_tp))
+    chosen = f"gen:{gen}+" + (f"train:{train}" if "," not in train else train)
+    lines = [f"allocation=auto chose {chosen!r} on {cluster.describe()}",
+             f"  predicted: {ap.describe()}",
+             f"  workload assumed: {workload}",
+             f"  {ap.considered} generation/training splits compared"
+             + ("; builtin servers are one process each (tp=1)" if max_tp == 1 else "")]
+    return chosen, "\n".join(lines)

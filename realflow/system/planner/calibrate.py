@@ -338,7 +338,7 @@ def calibrate(threads: int = 1, quick: bool = False, world: int = 2) -> DevicePr
         source += "; links not measured (one GPU): intra_node is the default"
         extra = {}
     name = device if gpu else f"cpu ({device}, {threads} thread{'s' if threads > 1 else ''})"
-    prof = DeviceProfile(name=name, source=source, memory_bytes=memory, params_bytes=2 if gpu else 4,
+    prof = DeviceProfile(name=name, source=source, memory_bytes=memory, params_bytes=2 if gpu else 4, packed_attention=gpu,
                          **local, **extra)
     prof.validate()
     return prof

@@ -91,6 +91,20 @@ class Work:
     max_tokens_per_mb: int = 0  # 0: one micro-batch per rank
     kv_budget_bytes: float = 0.0  # generate: memory a rank may give the KV cache (0 = unbounded)
     updates: int = 1  # train: optimizer steps per call (PPO epochs x mini-batches)
+    seq_len_max: float = 0.0  # the longest sequence (0: all are seq_len long)
+
+
+def padded_len(work: Work, s: ParallelStrategy, mbs_per_update: int, packed: bool) -> float:
+    """The length a sequence costs. Packed attention: its own. Padded (the CPU engine): its
+    micro-batch's longest -- the batch's longest with one micro-batch, nearer the mean with
+    several (the engine groups sequences of similar length); with pp > 1 every micro-batch is
+    padded to the longest of all (one tensor shape through the pipeline)."""
+    longest = max(work.seq_len_max, work.seq_len)
+    if packed or longest <= work.seq_len:
+        return work.seq_len
+    if s.pp > 1:
+        return longest
+    return work.seq_len + (longest - work.seq_len) / max(mbs_per_update, 1)
 
 
 @dataclass
@@ -142,13 +156,14 @@ def mfc_cost(facts: ModelFacts, s: ParallelStrategy, workers: Sequence[int], wor
         one = _generate(facts, s, work, seqs_rank / waves, layers_stage, dev, tp_link, pp_link)
         return Cost(**{k: waves * v for k, v in vars(one).items()})
     c = Cost()
-    tokens = seqs_rank * work.seq_len
     # every update's mini-batch is split into micro-batches of its own
-    mbs = work.updates * _micro_batches(tokens / work.updates, work)
+    mbs = work.updates * _micro_batches(seqs_rank * work.seq_len / work.updates, work)
     mbs = max(mbs, s.pp * work.updates) if s.pp > 1 else mbs  # a pipeline is fed one micro-batch per stage
+    length = padded_len(work, s, mbs // work.updates, dev.packed_attention)
+    tokens = seqs_rank * length
     factor = 3.0 if work.kind == "train" else 1.0
-    _forward(c, facts, s, tokens, seqs_rank * work.seq_len ** 2, layers_stage, mbs, dev, tp_link, factor)
-    measured = dev.layer_train_overhead_s if work.kind == "train" else dev.layer_forward_overhead_s
+    _forward(c, facts, s, tokens, seqs_rank * length ** 2, layers_stage, mbs, dev, tp_link, factor)
+    measured = dev.engine_costs(s.tp, work.kind == "train")[1]
     if measured > 0:  # the framework's measured cost per layer replaces the primitive-op count
         c.overhead = mbs * layers_stage * measured + (dev.forward_overhead_s if work.kind != "train" else 0.0)
     mb_act = tokens / mbs * facts.hidden * dev.params_bytes
@@ -191,10 +206,13 @@ def _generate(facts: ModelFacts, s: ParallelStrategy, work: Work, seqs_rank: flo
     kv_bytes = live * ctx * facts.kv_bytes_per_token(dev.params_bytes) / (s.tp * s.pp)
     flops = (facts.gemm_flops_fwd(live) + facts.attn_flops_fwd(live * ctx * 2)) / (s.tp * s.pp)
     c.compute += steps * max(flops / dev.matmul_flops, (weight_reads + kv_bytes) / dev.memory_bandwidth)
-    c.overhead += steps * (facts.layers * dev.decode_layer_overhead_s  # every stage, once per micro-batch
+    tp_measured = s.tp > 1 and s.tp == int(dev.measured_tp) and dev.tp_decode_layer_overhead_s > 0
+    per_layer = dev.tp_decode_layer_overhead_s if tp_measured else dev.decode_layer_overhead_s
+    c.overhead += steps * (facts.layers * per_layer  # every stage, once per micro-batch
                            + dev.decode_step_overhead_s)
     act = live * facts.hidden * dev.params_bytes
-    c.tp_comm += steps * layers_stage * 2 * allreduce_s(tp_link, s.tp, act)
+    if not tp_measured:  # a measured tp layer includes its collectives
+        c.tp_comm += steps * layers_stage * 2 * allreduce_s(tp_link, s.tp, act)
     c.pp_comm += steps * (s.pp - 1) * p2p_s(pp_link, act)
     return c
 
@@ -202,11 +220,14 @@ def _generate(facts: ModelFacts, s: ParallelStrategy, work: Work, seqs_rank: flo
 def _forward(c: Cost, facts: ModelFacts, s: ParallelStrategy, tokens: float, sum_sq: float, layers_stage: int,
              mbs: int, dev: Any, tp_link: LinkProfile, factor: float = 1.0) -> None:
     split = s.tp * s.pp
-    per_token = dev.layer_train_token_s if factor > 1 else dev.layer_forward_token_s
+    per_token = dev.engine_costs(s.tp, factor > 1)[0]
+    tp_measured = s.tp > 1 and s.tp == int(dev.measured_tp) and per_token > 0
     if per_token > 0 and dev.layer_reference_params > 0:
-        # the engine's measured cost per token of a layer (GEMMs, elementwise passes, norms), scaled
-        # by the layer's size; the LM head's GEMM on top, from the primitive rate
-        c.compute += tokens * layers_stage * per_token * facts.layer_params / dev.layer_reference_params / s.tp
+        # the engine's measured cost per token of a layer (GEMMs, elementwise passes, norms; at the
+        # measured tp also its collectives), scaled by the layer's size; the LM head's GEMM on top,
+        # from the primitive rate
+        shard = 1 if tp_measured else s.tp
+        c.compute += tokens * layers_stage * per_token * facts.layer_params / dev.layer_reference_params / shard
         c.compute += factor * 2.0 * facts.vocab * facts.hidden * tokens / s.tp / dev.matmul_flops
     else:
         c.compute += factor * facts.gemm_flops_fwd(tokens) / split / dev.matmul_flops
@@ -214,11 +235,16 @@ def _forward(c: Cost, facts: ModelFacts, s: ParallelStrategy, tokens: float, sum
     calls = mbs * layers_stage * factor
     c.overhead += calls * (GEMMS_PER_LAYER * dev.matmul_overhead_s + dev.attention_overhead_s
                            + SMALL_OPS_PER_LAYER * dev.op_overhead_s)
-    c.tp_comm += calls * 2 * allreduce_s(tp_link, s.tp, tokens / mbs * facts.hidden * dev.params_bytes)
+    if not tp_measured:
+        c.tp_comm += calls * 2 * allreduce_s(tp_link, s.tp, tokens / mbs * facts.hidden * dev.params_bytes)
 
 
-def activation_bytes(facts: ModelFacts, s: ParallelStrategy, work: Work, dtype_bytes: int) -> float:
-    """Peak activation (train), logits and KV-cache (generate, one wave) bytes on the most loaded rank."""
+def activation_bytes(facts: ModelFacts, s: ParallelStrategy, work: Work, dtype_bytes: int,
+                     packed_attention: bool = True) -> float:
+    """Peak transient bytes on the most loaded rank: activations, logits and (train) one fp32 copy
+    of the rank's parameters (gradients or optimizer temporaries: measured on the CPU engine by
+    tests/test_planner_memory.py; conservative where fused kernels avoid it); KV cache (generate,
+    one wave). Without packed attention the [s, s] scores and probabilities of each layer are kept."""
     seqs_rank = max(work.seqs / s.dp, 1.0)
     layers_stage = math.ceil(facts.layers / s.pp)
     if work.kind == "generate":
@@ -231,4 +257,8 @@ def activation_bytes(facts: ModelFacts, s: ParallelStrategy, work: Work, dtype_b
         return logits + mb_tokens * facts.hidden * dtype_bytes * 4
     in_flight = min(s.pp, _micro_batches(tokens, work))  # 1F1B: the first stage holds pp micro-batches
     per_layer = mb_tokens * facts.hidden * ACT_BYTES_PER_TOKEN_HIDDEN * dtype_bytes / 2 / s.tp
-    return in_flight * layers_stage * per_layer + logits
+    if not packed_attention:
+        length = max(work.seq_len_max, work.seq_len)
+        per_layer += 2 * (mb_tokens / length) * facts.heads / s.tp * length ** 2 * dtype_bytes
+    grads = facts.params / (s.tp * s.pp) * 4
+    return in_flight * layers_stage * per_layer + logits + grads

@@ -49,6 +49,9 @@ class DeviceProfile:
     host_bandwidth: float  # bytes/s between device and host memory (offload / reload)
     intra_node: LinkProfile = field(default_factory=lambda: LinkProfile(5e-6, 1e11))
     params_bytes: int = 2  # bytes per weight in the profile's training dtype (bf16 on GPUs, fp32 on CPU)
+    # attention runs on packed sequences (flash / TransformerEngine THD kernels). False on the CPU
+    # engine: each micro-batch is padded to [sequences, longest] and the causal scores are materialised
+    packed_attention: bool = True
     # measured by `realflow calibrate` (ring all-gather; send/recv of one message); None: as intra_node
     intra_node_all_gather: Optional[LinkProfile] = None
     intra_node_p2p: Optional[LinkProfile] = None
@@ -62,6 +65,23 @@ class DeviceProfile:
     layer_train_token_s: float = 0.0  # per layer and token, forward + backward, at the reference layer
     layer_forward_token_s: float = 0.0  # per layer and token, forward, at the reference layer
     layer_reference_params: float = 0.0  # parameters of that reference layer (costs scale with them)
+    # the same, measured in a tensor-parallel group of ``measured_tp`` devices (the split GEMMs and
+    # megatron's sequence-parallel collectives together); used for layouts with that tp
+    measured_tp: float = 0.0
+    tp_layer_train_overhead_s: float = 0.0
+    tp_layer_forward_overhead_s: float = 0.0
+    tp_layer_train_token_s: float = 0.0
+    tp_layer_forward_token_s: float = 0.0
+    tp_decode_layer_overhead_s: float = 0.0
+
+    def engine_costs(self, tp: int, train: bool) -> tuple[float, float]:
+        """(per layer and token at the reference layer, per layer and micro-batch) measured for a
+        layout with tensor parallelism ``tp``; (0, 0) when not measured for it. The tp=1 costs
+        serve any tp only when no tp was measured (then split by tp, collectives modelled)."""
+        kind = "train" if train else "forward"
+        if tp > 1 and tp == int(self.measured_tp):
+            return getattr(self, f"tp_layer_{kind}_token_s"), getattr(self, f"tp_layer_{kind}_overhead_s")
+        return getattr(self, f"layer_{kind}_token_s"), getattr(self, f"layer_{kind}_overhead_s")
 
     def link(self, op: str) -> LinkProfile:
         """The intra-node link of ``op`` ("all_reduce", "all_gather" or "p2p")."""
@@ -76,6 +96,9 @@ class DeviceProfile:
             if f.name in ("name", "source"):
                 if not isinstance(v, str) or not v:
                     raise ProfileError(f"{where}: {f.name} must be a non-empty string")
+            elif f.name == "packed_attention":
+                if not isinstance(v, bool):
+                    raise ProfileError(f"{where}: packed_attention={v!r} must be true or false")
             elif f.name in LINK_FIELDS:
                 if v is not None or f.name == "intra_node":
                     if not isinstance(v, LinkProfile):
@@ -93,7 +116,9 @@ class DeviceProfile:
 
 LINK_FIELDS = ("intra_node", "intra_node_all_gather", "intra_node_p2p")
 FRAMEWORK_FIELDS = ("layer_train_overhead_s", "layer_forward_overhead_s", "train_step_overhead_s", "forward_overhead_s",
-                    "decode_step_overhead_s", "layer_train_token_s", "layer_forward_token_s", "layer_reference_params")
+                    "decode_step_overhead_s", "layer_train_token_s", "layer_forward_token_s", "layer_reference_params",
+                    "measured_tp", "tp_layer_train_overhead_s", "tp_layer_forward_overhead_s", "tp_layer_train_token_s",
+                    "tp_layer_forward_token_s", "tp_decode_layer_overhead_s")
 
 
 def profile_from_dict(d: dict[str, Any], where: str = "profile") -> DeviceProfile:
@@ -102,7 +127,7 @@ def profile_from_dict(d: dict[str, Any], where: str = "profile") -> DeviceProfil
     if unknown:
         raise ProfileError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
     missing = sorted(f.name for f in fields(DeviceProfile)
-                     if f.name not in d and f.name not in ("params_bytes", *LINK_FIELDS, *FRAMEWORK_FIELDS))
+                     if f.name not in d and f.name not in ("params_bytes", "packed_attention", *LINK_FIELDS, *FRAMEWORK_FIELDS))
     if missing:
         raise ProfileError(f"{where}: missing field(s) {missing}")
     d = dict(d)

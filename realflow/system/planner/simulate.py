@@ -125,7 +125,8 @@ def _works(plan: ExecutionPlan, workload: Workload, rollout: Any = None) -> dict
         elif gens or per_rollout:
             out[m.name] = Work(kind, generated or m.n_seqs * per_rollout, workload.prompt_len + workload.gen_len_mean,
                                max_tokens_per_mb=mb or int(workload.max_tokens_per_mb),
-                               updates=ups if kind == "train" else 1)
+                               updates=ups if kind == "train" else 1,
+                               seq_len_max=workload.prompt_len + workload.gen_len_max)
         else:
             out[m.name] = Work(kind, m.n_seqs, workload.seq_len, max_tokens_per_mb=mb or int(workload.max_tokens_per_mb),
                                updates=ups if kind == "train" else 1)
@@ -178,7 +179,8 @@ def simulate(setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str,
         end[name] = stop
         timings.append(MFCTiming(name, role, work.kind, _layout_text(p.layout, cluster.n_devices), tuple(workers), start, stop, cost,
                                  hooks))
-        extra = activation_bytes(facts[role], s, work, cluster.device.params_bytes) + copy
+        extra = activation_bytes(facts[role], s, work, cluster.device.params_bytes,
+                                 cluster.device.packed_attention) + copy
         for w in workers:
             transient[w] = max(transient[w], extra)
     peak = {w: resident[w] + transient[w] for w in free}

@@ -10,7 +10,8 @@ against measured steps. The terms, per data-parallel rank:
 * small ops (norms, activations, residuals): ``op_overhead_s`` each, ~12 per layer;
 * tensor parallelism: two all-reduces of the micro-batch's activations per layer forward
   (four with backward) over the tp group;
-* pipeline parallelism: 1F1B's bubble ``(pp - 1) / micro-batches`` and a p2p send of the
+* pipeline parallelism: 1F1B's bubble ``(pp - 1) / micro-batches`` (the micro-batches the token
+  budget makes: the engine does not split further for the pipeline) and a p2p send of the
   activations per stage boundary and micro-batch;
 * training: the gradient all-reduce over dp (fp32 main grads) and the Adam update, memory
   bound over the dp-sharded states;
@@ -158,7 +159,8 @@ def mfc_cost(facts: ModelFacts, s: ParallelStrategy, workers: Sequence[int], wor
     c = Cost()
     # every update's mini-batch is split into micro-batches of its own
     mbs = work.updates * _micro_batches(seqs_rank * work.seq_len / work.updates, work)
-    mbs = max(mbs, s.pp * work.updates) if s.pp > 1 else mbs  # a pipeline is fed one micro-batch per stage
+    # the engine pipelines the micro-batches it is given (the token budget's split), not more: with
+    # fewer micro-batches than stages, 1F1B's bubble is most of the step
     length = padded_len(work, s, mbs // work.updates, dev.packed_attention)
     tokens = seqs_rank * length
     factor = 3.0 if work.kind == "train" else 1.0

@@ -132,6 +132,7 @@ class PPOActorInterface(ModelInterface):
         gen_kl = up.first["approx_kl_k3_sum"] / max(up.first["n_loss_tokens"], 1.0)
         self._step += 1
         out = {k: v / n_updates for k, v in totals.items() if k in ("loss", "grad_norm", "lr")}
+        out["nonfinite_skipped"] = totals.get("nonfinite_skipped", 0.0)  # updates not applied (on_nonfinite=skip)
         n_tok = max(totals.get("n_loss_tokens", 0.0), 1.0)
         for k, name in (("clipped_tokens", "clip_frac"), ("approx_kl_sum", "approx_kl"),
                         ("entropy_sum", "entropy"), ("ratio_sum", "ratio")):

@@ -210,11 +210,12 @@ def run_ppo_updates(engine: Any, batch: SequenceBatch, t: RLTensors, mb_spec: Mi
     first: dict[str, float] = {}
     n = 0
     for _, _, mini in ppo_minibatches(tb, epochs, n_minibatches, seed, step):
-        mbs = []
+        mbs, ids = [], []
         for mb in mini.micro_batches(mb_spec):
             lens = flat_seqlens(mb)
             mbs.append((mb.data[INPUT_IDS], lens, micro_batch(mb, lens)))
-        st = engine.train_batch(mbs, loss_fn, weight_fn)
+            ids.append(mb.ids)
+        st = engine.train_batch(mbs, loss_fn, weight_fn, sample_ids=ids)
         first = first or dict(st)
         n += 1
         for k, v in st.items():

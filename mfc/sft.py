@@ -29,18 +29,23 @@ class SFTInterface(ModelInterface):
     eval_reward_args: dict[str, Any] = field(default_factory=dict)
 
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
-        micro_batches = []
+        micro_batches, ids = [], []
         for mb in batch.micro_batches(mb_spec):
-            ids = mb.data["packed_input_ids"]
+            ids.append(mb.ids)
+            tokens = mb.data["packed_input_ids"]
             seqlens = [n for lens in mb.seqlens["packed_input_ids"] for n in lens]
-            targets, valid = next_token_targets(ids, seqlens)
+            targets, valid = next_token_targets(tokens, seqlens)
             # a target counts if it is a response token (not prompt) and inside its sequence
             loss_mask = valid & ~torch.roll(mb.data["prompt_mask"], -1)
-            micro_batches.append((ids, seqlens, {"targets": targets, "mask": loss_mask}))
-        stats = model.module.train_batch(micro_batches, _nll_loss, _n_loss_tokens)
+            micro_batches.append((tokens, seqlens, {"targets": targets, "mask": loss_mask, "ids": mb.ids}))
+        stats = model.module.train_batch(micro_batches, self.loss, _n_loss_tokens, sample_ids=ids)
         # caller stats come back summed over micro-batches and dp ranks
         stats["token_acc"] = stats.pop("token_acc_sum") / max(stats.pop("n_loss_tokens"), 1.0)
         return stats
+
+    def loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """One micro-batch's loss SUM and stats (a method, so a subclass can shape it)."""
+        return _nll_loss(outputs, extra)
 
     def evaluate(self, model: Model, batch: SequenceBatch) -> dict[str, float]:
         """Greedy-decode every prompt of this dp rank's shard; mean score (``eval_reward``, default

@@ -28,8 +28,9 @@ batch is split into micro-batches.
 """
 from __future__ import annotations
 
+import math
 import zlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,14 @@ from parallel.hf_io import CheckpointError, gather_hf_state, save_hf_checkpoint
 from parallel.hf_layout import execute_hf_load, gather_hf_state_any, plan_hf_load
 from parallel.mcore_globals import seed_megatron_rng
 from parallel.model import build_gpt_model
+from parallel.nonfinite import (
+    NonFiniteError,
+    NonFinitePolicy,
+    clip_with_norm,
+    describe_micro_batch,
+    first_nonfinite,
+    params_finite,
+)
 from parallel.optim import EngineOptimizerConfig, build_optimizer
 from parallel.outputs import TokenOutputs
 from parallel.pipeline import (
@@ -56,7 +65,7 @@ __all__ = ["MegatronEngine", "EngineOptimizerConfig", "TokenOutputs", "LossFn"]
 
 # loss_fn(outputs of one micro-batch's real tokens, the micro-batch's extra) -> (loss SUM, stats)
 LossFn = Callable[[TokenOutputs, Any], tuple[torch.Tensor, dict[str, float]]]
-_RESERVED = ("loss", "grad_norm", "lr", "n_tokens", "loss_weight", "n_mbs", "update_successful")
+_RESERVED = ("loss", "grad_norm", "lr", "n_tokens", "loss_weight", "n_mbs", "update_successful", "nonfinite_skipped")
 
 
 def _load_hf_config(hf_config: Any) -> Any:
@@ -94,6 +103,8 @@ class MegatronEngine:
         self.groups = groups
         self.critic = critic
         self.version = 0
+        self.nonfinite_policy = NonFinitePolicy()  # the run's: configure_nonfinite (on_nonfinite)
+        self.nonfinite_run = 0  # consecutive steps skipped for a non-finite loss or gradient
         # Same seed on every rank: replicated params start identical even without
         # a checkpoint; the tracker gives tp ranks distinct model-parallel streams.
         seed_megatron_rng(seed, groups.tp_rank)
@@ -321,7 +332,8 @@ class MegatronEngine:
     # ------------------------------------------------------------------ training
 
     def train_batch(self, micro_batches: list[tuple[torch.Tensor, list[int], Any]],
-                    loss_fn: LossFn, loss_weight_fn: Callable[[Any], float]) -> dict[str, float]:
+                    loss_fn: LossFn, loss_weight_fn: Callable[[Any], float],
+                    sample_ids: Optional[list[Sequence[Any]]] = None) -> dict[str, float]:
         """One optimizer step over this dp replica's micro-batches (see module docstring).
 
         ``micro_batches``: ``(packed input_ids, seqlens, extra)`` each, the same on
@@ -338,6 +350,9 @@ class MegatronEngine:
         the same stat keys on every call and every rank.  Bad input or a failing
         ``loss_fn`` on any rank makes every rank raise ValueError before the
         optimizer step (nobody is left waiting in a collective).
+        ``sample_ids`` (one list per micro-batch) only serve the message when a micro-batch's
+        loss is not finite (see :mod:`parallel.nonfinite`: such a step applies no update; it
+        raises on one rank in ``stop`` mode, returns ``nonfinite_skipped`` = 1 in ``skip``).
         """
         if self.optimizer is None:
             raise RuntimeError("train_batch on an inference-only MegatronEngine "
@@ -391,20 +406,75 @@ class MegatronEngine:
             if not err:
                 red = self.dp_sum([sum(loss_sums)] + [sum(s[k] for s in stats) for k in keys])
                 payload["sums"] = red
+                if not math.isfinite(red[0]):  # every last-stage rank knows: locate it (collective)
+                    payload["bad"] = self._locate_nonfinite_loss(loss_sums, sample_ids)
         payload = share_from_last_stage(g, payload)
         if payload["error"]:  # before stepping: a bad loss_fn changes nothing
             raise ValueError(payload["error"])
         lr = float(self.optimizer.param_groups[0]["lr"])
-        ok, grad_norm, _ = self.optimizer.step()  # norm is computed even without clipping
-        self.scheduler.step(increment=1)
-        if ok:
-            self.version += 1
+        ok, grad_norm = self._checked_step(payload.get("bad"))
         red = payload["sums"]
-        out = {"loss": red[0] / total_w, "grad_norm": float(grad_norm or 0.0), "lr": lr,
+        out = {"loss": red[0] / total_w, "grad_norm": grad_norm, "lr": lr,
                "n_tokens": n_tokens, "loss_weight": total_w, "n_mbs": n_mbs,
-               "update_successful": float(bool(ok))}
+               "update_successful": float(ok), "nonfinite_skipped": float(not ok)}
         out.update(zip(payload["keys"], red[1:]))
         return out
+
+    def configure_nonfinite(self, mode: str, max_skips: int) -> None:
+        """What a step with a non-finite loss or gradient does: ``stop`` or ``skip`` (see
+        :mod:`parallel.nonfinite`)."""
+        self.nonfinite_policy = NonFinitePolicy(mode, int(max_skips))
+        self.nonfinite_run = 0
+
+    def _locate_nonfinite_loss(self, loss_sums: list[float], sample_ids: Optional[list[Sequence[Any]]]
+                               ) -> dict[str, Any]:
+        """The dp rank whose micro-batch is first non-finite reports it (the lowest such rank)."""
+        g = self.groups
+        local = first_nonfinite(loss_sums)
+        t = torch.tensor([g.dp_rank if local is not None else g.strategy.dp], dtype=torch.int64)
+        if g.strategy.dp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g.dp_group)
+        reporter = int(t[0])
+        text = None
+        if reporter == g.dp_rank and local is not None:
+            ids = sample_ids[local] if sample_ids is not None and local < len(sample_ids) else None
+            text = describe_micro_batch(local, g.dp_rank, loss_sums[local], ids)
+        return {"dp_rank": reporter, "text": text}
+
+    def _checked_step(self, bad_loss: Optional[dict[str, Any]]) -> tuple[bool, float]:
+        """The optimizer step, unless the loss or the gradient norm is not finite (then nothing
+        changes: see :mod:`parallel.nonfinite`). Returns (applied, gradient norm)."""
+        g = self.groups
+        opt = self.optimizer
+        found_inf = opt.prepare_grads()
+        grad_norm = float(opt.get_grad_norm() or 0.0)  # over every rank of the model: all agree
+        problem, reporter = None, False
+        if bad_loss is not None:
+            problem = bad_loss["text"] or f"non-finite loss on data-parallel rank {bad_loss['dp_rank']}"
+            reporter = bad_loss["text"] is not None and self.is_output_rank
+        elif found_inf or not math.isfinite(grad_norm):
+            problem = f"non-finite gradient norm ({grad_norm}) after the data-parallel reduction"
+            reporter = g.global_rank == g.ranks[0]
+        if problem is None:
+            clip = float(opt.config.clip_grad or 0.0)
+            if clip > 0:
+                clip_with_norm(opt, clip, grad_norm)
+            opt.step_with_ready_grads()
+            self.scheduler.step(increment=1)
+            self.version += 1
+            self.nonfinite_run = 0
+            if not params_finite(self.module.parameters()):
+                raise NonFiniteError(f"parameters not finite after an update with finite loss and gradient norm "
+                                     f"({grad_norm}) on rank {g.global_rank}: the optimizer overflowed (check lr "
+                                     f"and eps); the update is applied, so the run stops")
+            return True, grad_norm
+        self.nonfinite_run += 1
+        pol = self.nonfinite_policy
+        if reporter and (pol.mode == "stop" or self.nonfinite_run > pol.max_skips):
+            why = "" if pol.mode == "stop" else \
+                f"; {self.nonfinite_run} consecutive steps skipped > max_nonfinite_skips={pol.max_skips}"
+            raise NonFiniteError(f"{problem}; the update was not applied{why}")
+        return False, grad_norm
 
     def _check_replica_agrees(self, mbs: list[MicroBatch], problem: str) -> str:
         """All tp/pp ranks of a dp replica must hold the same micro-batch structure."""

@@ -403,3 +403,28 @@ def test_limits_name_the_field_and_a_full_queue_answers_429_with_retry_after(mod
         assert len(results) == 4
         m = c.metrics()
         assert m["realflow_gen_overloaded_total"] >= 2 and m["realflow_gen_queued_tokens"] == 0
+
+
+def test_a_nan_weight_update_fails_requests_with_500_and_a_good_update_recovers(client, models):
+    """Non-finite logits never become tokens: each request fails with 500 naming itself and the
+    weight version; the server stays up, and the next good weights generate correctly."""
+    pa, ma = models["a"]
+    v = client.model_info()["weight_version"]
+    bad = {k: t.clone() for k, t in ma.state_dict().items()}
+    bad["model.norm.weight"] = torch.full_like(bad["model.norm.weight"], float("nan"))
+    client.update_weights_from_tensors(bad, weight_version=v + 7)
+    resp = requests.post(client.base_url + "/generate", timeout=60, json={
+        "input_ids": [[1, 2, 3], [4, 5]], "rid": ["nan-a", "nan-b"],
+        "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}})
+    assert resp.status_code == 500, resp.text
+    body = resp.json()
+    assert body["success"] is False and sorted(body["rid"]) == ["nan-a", "nan-b"], body
+    assert body["weight_version"] == v + 7 and "non-finite logits at output token 0" in body["error"], body
+    assert f"(weight version {v + 7})" in body["error"] and "request nan-" in body["error"], body
+    with pytest.raises(GenerationServerError) as e:
+        client.generate([6], {"max_new_tokens": 2, **GREEDY})
+    assert e.value.status == 500
+    assert client.is_healthy() and client.metrics()["realflow_gen_failed_requests_total"] >= 3
+    client.update_weights_from_disk(pa)  # good weights: generation is right again
+    r = client.generate([1, 2, 3], {"max_new_tokens": 5, **GREEDY})
+    assert r["output_ids"] == hf_greedy(ma, [1, 2, 3], 5)

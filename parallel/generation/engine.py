@@ -32,7 +32,7 @@ from parallel.generation.decoder import Decoder, KVCache
 from parallel.generation.sampler import SampleBatch, sample
 from parallel.generation.weights import (DecoderWeights, ModelSpec, load_hf_weights,
                                          mcore_from_hf_tensors)
-from realflow.api.generation import GenerationResult, SamplingParams, validate_input_ids
+from realflow.api.generation import GenerationFailed, GenerationResult, SamplingParams, validate_input_ids
 
 __all__ = ["EngineConfig", "GenerationEngine"]
 
@@ -137,6 +137,7 @@ class GenerationEngine:
         self._ids: set[str] = set()
         self._flags: dict[tuple[int, int], _RowFlags] = {}  # see _row_flags
         self.tokens_generated = 0
+        self.nonfinite_requests = 0  # sequences failed for non-finite logits (see _accept)
         self.steps = 0
         self.busy_seconds = 0.0
         self._staged: Optional[tuple[int, DecoderWeights]] = None  # see stage_weights_from_tensors
@@ -480,6 +481,10 @@ class GenerationEngine:
         sl = slice(row0, row0 + B)
         seqs = self._running[sl]
         flags = self._row_flags(row0, B)
+        finite = torch.isfinite(logits).all(-1)  # a NaN/inf row would sample garbage: that request fails
+        bad_rows = [] if bool(finite.all()) else (~finite).nonzero().flatten().tolist()
+        if bad_rows:
+            logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
         tokens, raw, proc = sample(logits, self._sample_batch(row0, seqs, flags))
         logprobs = torch.where(self._lp_sampling[sl], proc, raw) if flags.lp_sampling else raw
         self._last[sl] = tokens
@@ -489,15 +494,25 @@ class GenerationEngine:
         if flags.stop_ids:
             maybe_done |= (tokens[:, None] == self._stops[sl]).any(-1)
         toks, lps, version = tokens.tolist(), logprobs.tolist(), self.version
-        for seq, tok, lp in zip(seqs, toks, lps):
+        for i in bad_rows:  # the request fails now; nothing sampled from these logits is kept
+            finished[row0 + i] = {"type": "error", "message": f"non-finite logits at output token "
+                                  f"{len(seqs[i].out)} of request {seqs[i].request_rid or seqs[i].rid} "
+                                  f"(weight version {version})", "weight_version": version}
+            self.nonfinite_requests += 1
+        skip = set(bad_rows)
+        for i, (seq, tok, lp) in enumerate(zip(seqs, toks, lps)):
+            if i in skip:
+                continue
             seq.out.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(version)
-        self.tokens_generated += B
+        self.tokens_generated += B - len(bad_rows)
         check = flags.stop_strings
         if bool(maybe_done.any()):
             check = sorted(set(check).union(maybe_done.nonzero().flatten().tolist()))
         for i in check:
+            if i in skip:
+                continue
             reason = self._finish_reason(seqs[i], toks[i])
             if reason is not None:
                 finished[row0 + i] = reason
@@ -553,6 +568,9 @@ class GenerationEngine:
         results: list[GenerationResult] = []
         while len(results) < len(order):
             results += [r for r in self.step() if r.rid in order]
+        failed = [r.finish_reason["message"] for r in results if r.finish_reason.get("type") == "error"]
+        if failed:
+            raise GenerationFailed(f"{len(failed)} of {len(results)} sequences failed: {failed[0]}")
         return sorted(results, key=lambda r: order[r.rid])
 
     def decode(self, ids: Sequence[int]) -> Optional[str]:
@@ -560,6 +578,7 @@ class GenerationEngine:
 
     def stats(self) -> dict[str, float]:
         return {"tokens_generated": float(self.tokens_generated), "steps": float(self.steps),
+                "nonfinite_requests": float(self.nonfinite_requests),
                 "busy_seconds": self.busy_seconds, "running_requests": float(len(self._running)),
                 "queued_requests": float(len(self._waiting)), "weight_version": float(self.version),
                 "kv_cache_bytes": float(self.cache.nbytes)}

@@ -19,6 +19,12 @@ from realflow.api.experiment import ModelSpec
 from realflow.api.registry import Registry
 
 
+class NonFiniteError(ValueError):
+    """A train step met a non-finite loss, gradient norm or parameter (``on_nonfinite``): its
+    update was not applied (parameters: see parallel.nonfinite). Raised by a backend's engine;
+    the model worker adds the MFC and model, the master the step and the last good checkpoint."""
+
+
 class LayoutError(ValueError):
     """A model cannot run in a layout (or cannot be reallocated into another model); names the numbers."""
 

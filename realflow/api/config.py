@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import importlib
 import json
+import math
 import pathlib
 import sys
 import types
@@ -191,14 +192,19 @@ def _convert(raw: Any, tp: Any, path: str, cli: bool) -> Any:
                 pass
         raise _bad(path, tp, raw)
     if tp is float:
+        value = None
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
-        if isinstance(raw, str):
+            value = float(raw)
+        elif isinstance(raw, str):
             try:
-                return float(raw.strip())
+                value = float(raw.strip())
             except ValueError:
                 pass
-        raise _bad(path, tp, raw)
+        if value is None:
+            raise _bad(path, tp, raw)
+        if not math.isfinite(value):  # a NaN or inf coefficient, rate or limit can only poison a run
+            raise _bad(path, tp, raw, "must be a finite number")
+        return value
     if tp is str:
         if isinstance(raw, str):
             return raw

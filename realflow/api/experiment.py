@@ -124,6 +124,8 @@ class ExperimentSetup:
     mfc_timeout_s: float = 1800.0
     heartbeat_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
+    on_nonfinite: str = "stop"  # a train step with a non-finite loss or gradient: stop | skip (its update)
+    max_nonfinite_skips: int = 3  # skip mode: consecutive skipped steps before the run stops
     trace: bool = True
     deploy: DeploySpec = field(default_factory=DeploySpec)
     recover: RecoverSpec = field(default_factory=lambda: RecoverSpec(mode="off"))
@@ -144,6 +146,10 @@ class ExperimentSetup:
             raise ValueError(f"eval_freq_steps={self.eval.freq_steps!r} must be >= 0 (0 = before and after)")
         if self.n_workers < 1:
             raise ValueError(f"n_workers={self.n_workers!r} must be >= 1")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite={self.on_nonfinite!r} must be 'stop' or 'skip'")
+        if not isinstance(self.max_nonfinite_skips, int) or self.max_nonfinite_skips < 0:
+            raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips!r} must be an integer >= 0")
 
     def name_resolve_config(self) -> dict[str, Any]:
         """The name-resolution config every process of this run uses (the file backend
@@ -215,6 +221,12 @@ class BaseExperimentConfig:
         "help": "a recover point once this many seconds passed since the last (0 = by steps only)"})
     recover_retries: int = field(default=3, metadata={"help": "relaunches after faults (recover_mode=auto)"})
     recover_keep: int = field(default=2, metadata={"help": "recover points kept; older ones are deleted"})
+    on_nonfinite: str = field(default="stop", metadata={
+        "help": "a train step whose loss or gradient norm is NaN/inf applies no update and then: stop = the run "
+                "ends naming the step, MFC, micro-batch and samples | skip = training goes on (counted as "
+                "nonfinite_skipped) until max_nonfinite_skips consecutive skips"})
+    max_nonfinite_skips: int = field(default=3, metadata={
+        "help": "on_nonfinite=skip: consecutive skipped steps after which the run stops"})
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
@@ -238,7 +250,12 @@ class BaseExperimentConfig:
                              f"{self.heartbeat_interval_s} (one late beat must not declare a worker lost)")
         if self.worker_threads < 1:
             raise ValueError(f"worker_threads={self.worker_threads} must be >= 1")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite={self.on_nonfinite!r} must be 'stop' or 'skip'")
+        if self.max_nonfinite_skips < 0:
+            raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 0")
         return dict(
+            on_nonfinite=self.on_nonfinite, max_nonfinite_skips=self.max_nonfinite_skips,
             seed=self.seed, name_resolve=dataclasses.asdict(self.name_resolve), worker_threads=self.worker_threads,
             trace=self.trace, heartbeat_timeout_s=self.heartbeat_timeout_s,
             heartbeat_interval_s=self.heartbeat_interval_s,

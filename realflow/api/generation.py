@@ -155,6 +155,11 @@ def validate_input_ids(input_ids: Any, vocab_size: int, max_context: int,
     return [int(t) for t in input_ids]
 
 
+class GenerationFailed(RuntimeError):
+    """A generation request failed inside the engine (e.g. non-finite logits after a bad weight
+    update); a server answers it with HTTP 500 naming the request and the weight version."""
+
+
 @dataclass
 class GenerationResult:
     """One finished (or aborted) sequence.
@@ -170,7 +175,7 @@ class GenerationResult:
     output_ids: list[int]
     output_logprobs: list[float]
     output_versions: list[int]
-    finish_reason: dict[str, Any]  # {"type": "stop"|"length"|"abort", "matched": ...}
+    finish_reason: dict[str, Any]  # {"type": "stop"|"length"|"abort"|"error", "matched"/"message": ...}
     request_rid: str = ""  # the id of the request this sequence belongs to
     index: int = 0  # sample index within the request
 

@@ -21,6 +21,7 @@ from realflow.api.config import ConfigError, format_help, import_modules, parse_
 from realflow.api.dataset import DataRowError
 from realflow.api.experiment import experiment_registry
 from realflow.base import names
+from realflow.base.output_paths import check_tree_inside, output_root
 from realflow.base.wandb_sink import check_installed
 from realflow.comm import shm
 from realflow.comm.auth import SECRET_FILE_ENV, new_secret, write_secret_file
@@ -83,6 +84,8 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
             return 0
         cfg = parse_overrides(cls, overrides)
         setup = cfg.setup()
+        # nothing is written yet: a symlink in an existing run directory that leads out is refused here
+        check_tree_inside(setup.run_dir, output_root(setup.run_dir))
         if setup.allocation == "auto":  # the workers get the choice, not the search
             from realflow.system.planner.auto import choose_allocation
 
@@ -311,6 +314,8 @@ def progress_fields(stats: dict) -> dict[str, str]:
     shown = {k.replace("_train/", "/").replace("/", ":", 1) if k.count("/") else k: f"{v:.3g}"
              for k, v in stats.items() if k.endswith(_SHOWN)}
     shown.update({short: f"{stats[k]:.3g}" for k, short in _ASYNC_SHOWN.items() if k in stats})
+    if stats.get("nonfinite_skipped_steps"):
+        shown["skipped"] = f"{int(stats['nonfinite_skipped_steps'])}"
     times = {k[5:]: v for k, v in stats.items() if k.startswith("time/") and k not in ("time/step", "time/fetch")}
     if times:
         shown["s"] = ",".join(f"{k.replace('actor_', '').replace('_inf', '')}={v:.2f}" for k, v in times.items())

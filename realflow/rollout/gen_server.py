@@ -209,6 +209,15 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
         except asyncio.CancelledError:  # client went away: free the batch slots
             server.abort_later(rids)
             raise
+        failed = [r for g in groups for r in g if r.finish_reason.get("type") == "error"]
+        if failed:  # e.g. non-finite logits after a bad weight update: say so, never return garbage
+            server.failed_requests_total += len(failed)
+            first = failed[0].finish_reason
+            return web.json_response({"error": first.get("message", "generation failed"), "success": False,
+                                      "rid": [r.rid for r in failed],
+                                      "weight_version": first.get("weight_version",
+                                                                  server.backend.weight_version)},
+                                     status=500)
         def answer() -> str:
             out = [_result_json(server, r, ret_lp) for g in groups for r in sorted(g, key=lambda x: x.index)]
             return json.dumps(out[0] if one_object else out)

@@ -159,6 +159,7 @@ class GenServer:
         self._ops: list[tuple[Callable[[], Any], Optional[asyncio.AbstractEventLoop], Optional[asyncio.Future]]] = []
         self.requests_total = 0
         self.bad_requests_total = 0
+        self.failed_requests_total = 0  # sequences the engine failed (non-finite logits): answered 500
         self.unauthorized = DropLog("gen server", "request")  # 401s, logged rate-limited per peer
         self.aborted_total = 0
         self._window: deque[tuple[float, float]] = deque(maxlen=4096)  # (time, tokens)
@@ -381,6 +382,8 @@ class GenServer:
                st.get("tokens_generated", 0.0))
         metric("requests_total", "counter", "prompts accepted", self.requests_total)
         metric("bad_requests_total", "counter", "requests answered with 4xx", self.bad_requests_total)
+        metric("failed_requests_total", "counter", "sequences failed in the engine (non-finite logits), answered "
+               "500", self.failed_requests_total)
         metric("unauthorized_total", "counter", "requests answered 401 (no or wrong API key)",
                self.unauthorized.count)
         metric("aborted_total", "counter", "sequences ended by abort/pause", self.aborted_total)

@@ -21,8 +21,10 @@ from realflow.api.experiment import ExperimentSetup
 from realflow.api.mfc import MFCDef, ModelInterfaceType
 from realflow.base import names
 from realflow.base.logging import get_logger
+from realflow.base.output_paths import ensure_inside, output_root
 from realflow.base.stats import StatsLogger, StepLog
 from realflow.base.trace import Tracer, merge_traces
+from realflow.comm.rpc import RemoteError
 from realflow.system.holders import HolderIndex, MissingKeyError
 from realflow.system.model_store import ModelStore
 from realflow.system.placement import assign_to_dp_ranks
@@ -63,6 +65,8 @@ class Master:
         self.holders = HolderIndex()
         self.recover = RecoverPoints(setup)
         self.resume_from: Optional[RecoverPoint] = self.recover.resume_point()
+        self.last_good: dict[str, str] = {}  # "checkpoint" / "recover point" -> where and which step
+        self.nonfinite_skipped_steps = 0  # steps whose update a non-finite value skipped (on_nonfinite=skip)
         resume_step = self.resume_from.step if self.resume_from else None
         self.stats = StatsLogger(setup.run_dir, resume_step=resume_step, wandb=setup.wandb,
                                  run_name=f"{setup.experiment_name}/{setup.trial_name}",
@@ -126,7 +130,15 @@ class Master:
         t_start = time.perf_counter() - train_time
         self._before_training()
         for self.step in range(self.step + 1, total + 1):
-            step_stats = self._run_step()
+            try:
+                step_stats = self._run_step()
+            except RemoteError as e:
+                raise self._nonfinite_stop(e) or e
+            if any(v for k, v in step_stats.items() if k.endswith("/nonfinite_skipped")):
+                self.nonfinite_skipped_steps += 1
+                self.progress.event(f"step {self.step}: non-finite loss or gradient; the update was skipped "
+                                    f"(on_nonfinite=skip, {self.nonfinite_skipped_steps} so far)")
+            step_stats["nonfinite_skipped_steps"] = float(self.nonfinite_skipped_steps)
             step_stats.update(self._after_step(step_stats))
             self.stats.log(self.step, step_stats)
             self.progress.update(self.step, step_stats)
@@ -174,6 +186,7 @@ class Master:
         except BaseException:
             self.recover.abort(tmp)
             raise
+        self.last_good["recover point"] = f"{path} (step {self.step})"
         seconds = time.perf_counter() - t0
         self.stats.log(self.step, {"time/recover_point": seconds})
         logger.info(f"recover point of step {self.step} written to {path} in {seconds:.2f}s")
@@ -188,6 +201,7 @@ class Master:
         summary["eval_before"] = state.get("eval_before")
         summary["resumed_from_step"] = point.step
         self.progress.update(self.step, {})
+        self.last_good["recover point"] = f"{point.path} (step {point.step})"
         msg = f"resumed from the recover point of step {point.step} ({point.path})"
         logger.info(msg)
         self.progress.event(msg)
@@ -426,13 +440,28 @@ class Master:
     def _save(self, tag: str) -> dict[str, str]:
         out: dict[str, str] = {}
         for role in self.setup.train_roles():
-            path = os.path.join(self.setup.run_dir, "checkpoints", role, tag)
+            path = ensure_inside(os.path.join(self.setup.run_dir, "checkpoints", role, tag),
+                                 output_root(self.setup.run_dir), f"checkpoint of {role!r}")
             workers = list(self.plan.role_home[role].workers)
             with self.tracer.span(f"save:{role}"):
                 self._all("save", {"role": role, "path": path}, self.setup.mfc_timeout_s, workers=workers)
             out[role] = path
             self.progress.event(f"saved {role} checkpoint: {path}")
+        if out:
+            self.last_good["checkpoint"] = f"{', '.join(out.values())} (step {self.step})"
         return out
+
+    def _nonfinite_stop(self, e: RemoteError) -> Optional[MasterError]:
+        """A worker's non-finite train step as the run's one-line error: the step, the worker's
+        words (MFC, model, micro-batch, samples) and the last good state; None for other errors."""
+        lines = [ln.strip() for ln in e.remote_traceback.strip().splitlines() if ln.strip()]
+        marker = "NonFiniteError: "
+        if not lines or marker not in lines[-1]:
+            return None
+        good = "; ".join(f"last good {k}: {v}" for k, v in self.last_good.items()) or \
+            "no checkpoint or recover point was written before it"
+        return MasterError(f"step {self.step}: {lines[-1].split(marker, 1)[1]} ({e.worker}); nothing is saved after "
+                           f"a non-finite step; {good}")
 
 
 def _batch_size(mfcs: list[MFCDef]) -> int:

@@ -77,6 +77,8 @@ class ModelStore:
             else:
                 engine = backend.build_engine(spec, self._groups[(role, layout)], self.setup.seed,
                                               load_weights=False)
+            if home and spec.optimizer is not None and hasattr(engine, "configure_nonfinite"):
+                engine.configure_nonfinite(self.setup.on_nonfinite, self.setup.max_nonfinite_skips)
             tok = load_tokenizer(spec.tokenizer_path or spec.path)
             self.models[(role, layout)] = Model(name=role, module=engine, tokenizer=tok)
         used = {(h.src_role, h.src, h.dst_role, h.dst) for _, _, h in self.plan.hooks()

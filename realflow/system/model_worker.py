@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from realflow.api.backend import NonFiniteError
 from realflow.api.batch import SequenceBatch
 from realflow.api.data_source import load_dataset_shard
 from realflow.api.experiment import ExperimentSetup
@@ -25,6 +26,7 @@ from realflow.api.mfc import MFCDef, ModelInterfaceType
 from realflow.base import names
 from realflow.base.logging import get_logger
 from realflow.base.network import host_address, interface_of
+from realflow.base.output_paths import ensure_inside, output_root
 from realflow.base.seeding import get_rng_state_plain, set_rng_state_plain, set_seed
 from realflow.base.trace import Tracer
 from realflow.comm import shm
@@ -227,7 +229,10 @@ class ModelWorker:
     def _call_interface(call: "_MFCCall", batch: SequenceBatch) -> Any:
         """The interface's outputs (generate/inference) or stats (train_step)."""
         if call.is_train:
-            stats = call.iface.train_step(call.model, batch, call.mfc.mb_spec)
+            try:
+                stats = call.iface.train_step(call.model, batch, call.mfc.mb_spec)
+            except NonFiniteError as e:  # the engine knows the micro-batch; this, the MFC and model
+                raise NonFiniteError(f"MFC '{call.mfc.name}' of model '{call.mfc.model_name}': {e}") from None
             call.model.version += 1
             return stats
         return call.fn(call.model, batch, call.mfc.mb_spec)
@@ -268,7 +273,7 @@ class ModelWorker:
         model = self.store.home_model(role)
         if model is None:
             return {"path": None}
-        path = payload["path"]
+        path = ensure_inside(payload["path"], output_root(self.setup.run_dir), f"checkpoint of {role!r}")
         with self.tracer.span(f"save:{role}"):
             iface = next(self.interfaces[m.name] for m in self.setup.mfcs if m.model_name == role)
             iface.save(model, path)
@@ -286,7 +291,7 @@ class ModelWorker:
                  "stream": self.train_stream.state() if self.train_stream is not None else None,
                  "models": self.store.local_state(),
                  "interfaces": {k: iface.state_dict() for k, iface in sorted(self.interfaces.items())}}
-        path = os.path.join(payload["dir"], name)
+        path = ensure_inside(os.path.join(payload["dir"], name), output_root(self.setup.run_dir), "recover point")
         with self.tracer.span("save_recover"):
             torch.save(state, path + ".tmp")
             with open(path + ".tmp", "rb") as f:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from realflow.base.logging import get_logger
+from realflow.base.output_paths import ensure_inside, output_root
 
 logger = get_logger("recover")
 
@@ -190,6 +191,7 @@ class RecoverPoints:
     # ---- writing ----------------------------------------------------------------------------
     def begin(self, step: int) -> str:
         """A fresh hidden directory where workers write their files for the point of ``step``."""
+        ensure_inside(self.root, output_root(self.setup.run_dir), "recover point directory")
         os.makedirs(self.root, exist_ok=True)
         tmp = os.path.join(self.root, f".tmp-step{step:08d}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)

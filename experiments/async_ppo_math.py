@@ -116,18 +116,14 @@ class _AsyncBase(_RLBase):
         agent_registry.get(r.agent)  # an unknown agent fails here, naming the close ones
         REWARD_FUNCTIONS.get(self.reward)
         train_workers = self.n_workers if train_alloc == "auto" else self.n_train_workers(train_alloc)
-        adv = {"estimator": h.estimator, "gamma": h.gamma, "lam": h.lam, "kl_coef": h.kl_coef,
-               "kl_ctl": h.kl_ctl, "kl_target": h.kl_target, "adv_norm": h.adv_norm,
-               "mask_truncated": h.mask_truncated}
+        if h.estimator == "gae":
+            raise ValueError("ppo.estimator=gae needs a critic, and an asynchronous run trains none "
+                             "(use an outcome estimator: grpo | rloo | reinforce++)")
         gcfg = AsyncPPOGraphConfig(
             batch_size=self.batch_size, use_ref=h.kl_coef > 0,
             inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
-            actor_args={"max_new_tokens": h.max_new_tokens, "temperature": h.temperature, "seed": self.seed,
-                        "ppo_epochs": h.ppo_epochs, "n_minibatches": h.n_minibatches, "eps_clip": h.eps_clip,
-                        "dual_clip": h.dual_clip, "entropy_coef": h.entropy_coef, "adv": adv,
-                        "behav_imp_weight_cap": self.behav_imp_weight_cap,
-                        "eval_max_new_tokens": h.max_new_tokens})
+            actor_args={**h.actor_args(), "seed": self.seed, "behav_imp_weight_cap": self.behav_imp_weight_cap})
         mfcs = graph_registry.get("async_ppo")(gcfg)
         planned = self.planned_actor_config()
         models = {ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+from experiments.algorithms import ALGORITHMS, presets
+from experiments.ppo_hyper import PPOHyperConfig
 from experiments.tasks.registry import get_task
 from graphs.ppo import ACTOR, CRITIC, REF, REWARD, PPOGraphConfig
 from realflow.api.batch import MicroBatchSpec
@@ -58,64 +60,14 @@ class RLDataConfig:
 
 
 @dataclass
-class PPOHyperConfig:
-    n_samples: int = field(default=8, metadata={"help": "responses per prompt"})
-    max_new_tokens: int = field(default=16, metadata={"help": "response length cap"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
-    ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch"})
-    n_minibatches: int = field(default=2, metadata={"help": "optimizer steps per pass"})
-    eps_clip: float = field(default=0.2, metadata={"help": "PPO ratio clip"})
-    dual_clip: Optional[float] = field(default=None, metadata={"help": "dual-clip constant c (None = off)"})
-    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus"})
-    kl_coef: float = field(default=0.0, metadata={"help": "KL penalty against the reference model (0 = no ref)"})
-    kl_ctl: str = field(default="fixed", metadata={"help": "fixed | adaptive KL coefficient"})
-    kl_target: float = field(default=6.0, metadata={"help": "adaptive: target KL per sequence"})
-    ref_ema_eta: Optional[float] = field(default=None, metadata={"help": "ref <- eta*actor + (1-eta)*ref per step"})
-    estimator: str = field(default="grpo", metadata={"help": "gae | grpo | rloo | reinforce++"})
-    gamma: float = field(default=1.0, metadata={"help": "discount"})
-    lam: float = field(default=1.0, metadata={"help": "GAE lambda"})
-    adv_norm: str = field(default="batch", metadata={"help": "none | batch | group"})
-    mask_truncated: bool = field(default=False, metadata={"help": "no loss on responses cut by max_new_tokens"})
-    value_eps_clip: float = field(default=0.2, metadata={"help": "critic value clip"})
-
-    def __post_init__(self) -> None:
-        """Every value is checked where it is set (a bad one fails before anything runs)."""
-        from mfc.rl_batch import ESTIMATORS
-
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"PPOHyperConfig.{name}={getattr(self, name)!r} {why}")
-
-        for name in ("n_samples", "max_new_tokens", "ppo_epochs", "n_minibatches"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise bad(name, "must be an integer >= 1")
-        if self.estimator not in ESTIMATORS:
-            raise bad("estimator", f"is not an advantage estimator; choose one of {', '.join(ESTIMATORS)}")
-        if self.estimator in ("grpo", "rloo") and self.n_samples < 2:
-            raise bad("n_samples", f"must be >= 2 for estimator={self.estimator} (it compares the responses "
-                                   f"to one prompt)")
-        for name in ("eps_clip", "value_eps_clip", "kl_target"):
-            if not getattr(self, name) > 0:
-                raise bad(name, "must be > 0")
-        for name in ("temperature", "kl_coef"):
-            if not getattr(self, name) >= 0:
-                raise bad(name, "must be >= 0")
-        for name in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise bad(name, "must be in [0, 1]")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise bad("dual_clip", "must be > 1 (or none: off)")
-        if self.ref_ema_eta is not None and not 0.0 < self.ref_ema_eta <= 1.0:
-            raise bad("ref_ema_eta", "must be in (0, 1] (or none: the reference stays fixed)")
-        if self.kl_ctl not in ("fixed", "adaptive"):
-            raise bad("kl_ctl", "must be fixed or adaptive")
-        if self.adv_norm not in ("none", "batch", "group"):
-            raise bad("adv_norm", "must be none, batch or group")
-
-
 class _RLBase(BaseExperimentConfig):
-    """Shared by ppo-math and grpo-math (fields are declared on the dataclasses below)."""
+    """Shared by every RL experiment (its other fields are declared on the dataclasses below)."""
 
+    algorithm: str = field(default="", metadata={
+        "help": "a preset of ppo.* keys: " + " | ".join(ALGORITHMS) + " ('' = the experiment's own defaults; "
+                "see the presets at the end of --help and docs/algorithms.md)"})
+
+    PRESETS = presets()
     _graph = "grpo"
 
     def _sft_dir(self) -> str:
@@ -183,19 +135,17 @@ class _RLBase(BaseExperimentConfig):
         actor, tok, train, test = self._paths()
         planned = self.planned_actor_config()
         h = self.ppo
-        adv = {"estimator": h.estimator, "gamma": h.gamma, "lam": h.lam, "kl_coef": h.kl_coef,
-               "kl_ctl": h.kl_ctl, "kl_target": h.kl_target,
-               "adv_norm": h.adv_norm, "mask_truncated": h.mask_truncated}
+        adv = h.advantage_args()
         use_critic = self._graph == "ppo"
+        if h.estimator == "gae" and not use_critic:
+            raise ValueError(f"ppo.estimator=gae needs a critic, and experiment={self._name} has none "
+                             f"(use experiment=ppo-math, or an outcome estimator: grpo | rloo | reinforce++)")
         gcfg = PPOGraphConfig(
             batch_size=self.batch_size, n_samples=h.n_samples, use_critic=use_critic, use_ref=h.kl_coef > 0,
             ref_ema_eta=h.ref_ema_eta,
             gen_mb=MicroBatchSpec(), inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
-            actor_args={"max_new_tokens": h.max_new_tokens, "temperature": h.temperature, "seed": self.seed,
-                        "ppo_epochs": h.ppo_epochs, "n_minibatches": h.n_minibatches, "eps_clip": h.eps_clip,
-                        "dual_clip": h.dual_clip, "entropy_coef": h.entropy_coef, "adv": adv,
-                        "eval_max_new_tokens": h.max_new_tokens},
+            actor_args={**h.actor_args(), "seed": self.seed},
             critic_args={"ppo_epochs": h.ppo_epochs, "n_minibatches": h.n_minibatches,
                          "value_eps_clip": h.value_eps_clip, "seed": self.seed, "adv": adv},
             reward_args={"reward": self.reward, "reward_args": dict(self.reward_args)},

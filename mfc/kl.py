@@ -29,12 +29,19 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1",
-                clamp: float | None = None) -> torch.Tensor:
+                clamp: float | None = None, value_clamp: float | None = None) -> torch.Tensor:
     """Per-token KL(policy || reference) estimate; see the module docstring.
 
-    ``clamp`` (optional) bounds the log-ratio before the estimate, a guard against
-    a single token with a huge ratio dominating the penalty.
+    ``clamp`` (optional) bounds the log-ratio before the estimate, ``value_clamp`` the estimate
+    itself to ``[-value_clamp, value_clamp]`` (verl bounds k3 at 10): guards against a single
+    token with a huge ratio dominating the penalty.
     """
+    out = _kl_estimate(logprobs, ref_logprobs, estimator, clamp)
+    return out if value_clamp is None else out.clamp(-value_clamp, value_clamp)
+
+
+def _kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str,
+                 clamp: float | None) -> torch.Tensor:
     if logprobs.shape != ref_logprobs.shape:
         raise ValueError(f"kl_estimate: logprobs shape {tuple(logprobs.shape)} != "
                          f"ref_logprobs shape {tuple(ref_logprobs.shape)}")

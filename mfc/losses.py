@@ -19,16 +19,19 @@ Stats are sums too (``*_sum`` and counts), so they add over micro-batches and ra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from mfc.advantages import as_seqlens, segment_sum
+from mfc.kl import kl_estimate
+from realflow.api.registry import Registry
 
-__all__ = ["AGG_MODES", "aggregate", "aggregation_weight", "token_logprobs", "entropy_from_logits",
+__all__ = ["AGG_MODES", "IS_LEVELS", "policy_losses", "register_policy_loss", "aggregate", "aggregation_weight", "token_logprobs", "entropy_from_logits",
            "PPOActorConfig", "ppo_actor_loss", "value_loss", "mean_stats"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+IS_LEVELS = ("token", "sequence")
 
 
 def _check_mode(mode: str) -> None:
@@ -105,8 +108,23 @@ class PPOActorConfig:
     entropy_coef: float = 0.0
     agg: str = "token-mean"
     norm_len: float | None = None
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    policy_loss: str = "clip"  # clip (PPO's hard clip) | sapo (soft gates)
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    kl_loss_coef: float = 0.0  # > 0: KL(pi || pi_ref) in the loss (GRPO paper), needs ref logprobs
+    kl_loss_estimator: str = "k3"
+    kl_clamp: float | None = 10.0  # bound on each token's KL estimate (verl's low-variance KL)
 
     def __post_init__(self) -> None:
+        if self.importance_sampling_level not in IS_LEVELS:
+            raise ValueError(f"PPOActorConfig.importance_sampling_level={self.importance_sampling_level!r}: "
+                             f"expected one of {IS_LEVELS}")
+        policy_losses.get(self.policy_loss)  # an unknown one names the registered ones
+        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+            raise ValueError("PPOActorConfig.sapo_tau_pos and sapo_tau_neg must be > 0")
+        if not self.kl_loss_coef >= 0:
+            raise ValueError(f"PPOActorConfig.kl_loss_coef must be >= 0, got {self.kl_loss_coef}")
         if not 0 < self.eps_clip < 1:
             raise ValueError(f"PPOActorConfig.eps_clip must be in (0, 1), got {self.eps_clip}")
         if self.eps_clip_high is not None and self.eps_clip_high <= 0:
@@ -132,29 +150,37 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
                    loss_mask: torch.Tensor, cfg: PPOActorConfig | None = None,
                    seqlens: Sequence[int] | torch.Tensor | None = None,
                    prox_logprobs: torch.Tensor | None = None,
-                   entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                   entropy: torch.Tensor | None = None,
+                   ref_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped PPO policy loss (a SUM, see :func:`aggregate`) and summed stats.
 
     ``old_logprobs`` are the behaviour policy's (the generator's). With
     ``prox_logprobs`` this is the decoupled objective: the ratio ``pi/pi_prox`` is
     clipped and each token's loss is scaled by the (capped, constant) behaviour weight
     ``pi_prox/pi_behav``; without it, or with ``prox == old``, it is standard PPO.
-    ``entropy`` (per token, differentiable) adds ``-entropy_coef * entropy``.
+    ``importance_sampling_level='sequence'`` (GSPO) uses for every token of a sequence the
+    sequence ratio ``exp(mean of its tokens' log-ratios)``, clipped at the sequence level,
+    its gradient reaching every token through the mean. ``policy_loss='sapo'`` replaces the
+    clip by SAPO's soft gate ``(4 / tau) * sigmoid(tau * (ratio - 1))`` (``tau_pos`` where the
+    advantage is positive, ``tau_neg`` elsewhere). ``entropy`` (per token, differentiable)
+    adds ``-entropy_coef * entropy``; ``ref_logprobs`` with ``kl_loss_coef > 0`` adds
+    ``kl_loss_coef * KL(pi || pi_ref)`` per token (estimator ``kl_loss_estimator``).
     """
     cfg = cfg or PPOActorConfig()
     _same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
-                loss_mask=loss_mask, prox_logprobs=prox_logprobs, entropy=entropy)
+                loss_mask=loss_mask, prox_logprobs=prox_logprobs, entropy=entropy, ref_logprobs=ref_logprobs)
     mask = loss_mask.bool()
     adv = advantages.detach().float()
     behav = old_logprobs.detach().float()
     prox = behav if prox_logprobs is None else prox_logprobs.detach().float()
     log_ratio = logprobs.float() - prox
+    if cfg.importance_sampling_level == "sequence":
+        if seqlens is None:
+            raise ValueError("importance_sampling_level='sequence' needs seqlens")
+        log_ratio = _sequence_mean(log_ratio, mask, seqlens)
     ratio = torch.exp(log_ratio)
-    hi = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
-    loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + hi)
-    pg = torch.maximum(loss1, loss2)
-    clipped = (loss2 > loss1) & mask
+    pg, clipped = policy_losses.get(cfg.policy_loss)(ratio, adv, cfg)
+    clipped = clipped & mask
     dual = torch.zeros_like(mask)
     if cfg.dual_clip is not None:
         bound = -adv * cfg.dual_clip
@@ -172,6 +198,12 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     per_token = pg * behav_w
     if entropy is not None and cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * entropy.float()
+    kl = None
+    if cfg.kl_loss_coef:
+        if ref_logprobs is None:
+            raise ValueError("kl_loss_coef > 0 needs the reference model's logprobs")
+        kl = kl_estimate(logprobs, ref_logprobs.detach(), cfg.kl_loss_estimator, value_clamp=cfg.kl_clamp)
+        per_token = per_token + cfg.kl_loss_coef * kl
     loss = aggregate(per_token, mask, seqlens, cfg.agg, cfg.norm_len)
     with torch.no_grad():
         m = mask.float()
@@ -188,7 +220,43 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
             "advantage_sum": float((adv * m).sum()),
             "entropy_sum": float((entropy.float() * m).sum()) if entropy is not None else 0.0,
         }
+        if kl is not None:
+            stats["kl_loss_sum"] = float((kl * m).sum())
     return loss, stats
+
+
+#: per-token policy-gradient losses: ``fn(ratio, advantages, cfg) -> (loss per token, clipped mask)``;
+#: ``ppo.policy_loss=NAME`` picks one; a user package adds its own with ``@register_policy_loss``
+policy_losses: Registry[Callable[[torch.Tensor, torch.Tensor, "PPOActorConfig"],
+                                 tuple[torch.Tensor, torch.Tensor]]] = Registry("policy loss")
+
+
+def register_policy_loss(name: str):
+    return policy_losses.register(name)
+
+
+@register_policy_loss("clip")
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: "PPOActorConfig") -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO: ``-min(ratio A, clip(ratio, 1 - eps_clip, 1 + eps_clip_high) A)``."""
+    hi = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + hi)
+    return torch.maximum(loss1, loss2), loss2 > loss1
+
+
+@register_policy_loss("sapo")
+def sapo_soft_gate(ratio: torch.Tensor, adv: torch.Tensor, cfg: "PPOActorConfig") -> tuple[torch.Tensor, torch.Tensor]:
+    """SAPO: ``-(4 / tau) sigmoid(tau (ratio - 1)) A``, ``tau = sapo_tau_pos`` where ``A > 0``."""
+    tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
+    return -adv * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)), torch.zeros_like(adv, dtype=torch.bool)
+
+
+def _sequence_mean(x: torch.Tensor, mask: torch.Tensor, seqlens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Each token gets the mean of ``x`` over its sequence's masked tokens (differentiable)."""
+    lens = as_seqlens(seqlens, x.shape[0])
+    m = mask.to(x.dtype)
+    per_seq = segment_sum(x * m, lens) / segment_sum(m.detach(), lens).clamp(min=1)
+    return torch.repeat_interleave(per_seq, lens.to(per_seq.device))
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 from mfc.losses import PPOActorConfig, aggregation_weight, ppo_actor_loss
 from mfc.packed import next_token_targets
 from mfc.reward import held_out_scores
-from mfc.rl_batch import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, AdvantageConfig, KLPenalty,
+from mfc.rl_batch import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REF_LOGPROBS, AdvantageConfig, KLPenalty,
                           flat_seqlens, run_ppo_updates)
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.generation import SamplingParams
@@ -57,9 +57,15 @@ class PPOActorInterface(ModelInterface):
     ppo_epochs: int = 1
     n_minibatches: int = 1
     eps_clip: float = 0.2
+    eps_clip_high: Optional[float] = None  # clip-higher (DAPO): the upper bound 1 + eps_clip_high
     dual_clip: Optional[float] = None
     entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
+    loss_agg_norm_len: Optional[float] = None  # seq-mean-token-sum-norm's normaliser (None: max_new_tokens)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    policy_loss: str = "clip"  # clip | sapo
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
     adv: dict[str, Any] = field(default_factory=dict)  # AdvantageConfig fields
     eval_max_new_tokens: int = 16
     eval_n_samples: int = 8  # samples per held-out prompt for sampled_accuracy (0 = greedy only)
@@ -71,11 +77,17 @@ class PPOActorInterface(ModelInterface):
     behav_imp_weight_cap: Optional[float] = None
 
     def __post_init__(self) -> None:
-        self.adv_cfg = AdvantageConfig(**self.adv)
+        self.adv_cfg = AdvantageConfig(**{"max_new_tokens": self.max_new_tokens, **self.adv})
         self.kl = KLPenalty(self.adv_cfg)
-        self.loss_cfg = PPOActorConfig(eps_clip=self.eps_clip, dual_clip=self.dual_clip,
-                                       entropy_coef=self.entropy_coef, agg=self.loss_agg,
-                                       behav_imp_weight_cap=self.behav_imp_weight_cap)
+        kl_in_loss = self.adv_cfg.kl_in == "loss"
+        self.loss_cfg = PPOActorConfig(
+            eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high, dual_clip=self.dual_clip,
+            entropy_coef=self.entropy_coef, agg=self.loss_agg,
+            norm_len=self.loss_agg_norm_len or float(self.max_new_tokens),
+            behav_imp_weight_cap=self.behav_imp_weight_cap, importance_sampling_level=self.importance_sampling_level,
+            policy_loss=self.policy_loss, sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg,
+            kl_loss_coef=self.adv_cfg.kl_coef if kl_in_loss else 0.0, kl_loss_estimator=self.adv_cfg.kl_estimator,
+            kl_clamp=self.adv_cfg.kl_clamp)
         self._step = 0
 
     # ---- generate -------------------------------------------------------------------------------
@@ -124,6 +136,11 @@ class PPOActorInterface(ModelInterface):
                 raise ValueError(f"decoupled PPO needs '{PROX_LOGPROBS}' (the proximal policy's logprobs from "
                                  f"actor_inf) among actor_train's inputs")
             extra["_prox_lp"] = batch.data[PROX_LOGPROBS].float()
+        if self.loss_cfg.kl_loss_coef:  # KL in the loss: the reference's logprobs go to the micro-batches
+            if REF_LOGPROBS not in batch.data:
+                raise ValueError(f"kl_in=loss needs '{REF_LOGPROBS}' (the reference model's logprobs) among "
+                                 f"actor_train's inputs")
+            extra["_ref_lp"] = batch.data[REF_LOGPROBS].float()
         up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo_epochs, n_minibatches=self.n_minibatches,
                              seed=self.seed, step=self._step, micro_batch=self._micro_batch,
                              loss_fn=self._loss, weight_fn=self._weight, extra_keys=extra)
@@ -163,7 +180,8 @@ class PPOActorInterface(ModelInterface):
     def _micro_batch(mb: SequenceBatch, lens: list[int]) -> dict:
         targets, _ = next_token_targets(mb.data[INPUT_IDS], lens)
         return {"targets": targets, "mask": mb.data["_mask"].bool(), "old": mb.data["_old_lp"],
-                "adv": mb.data["_adv"], "lens": lens, "prox": mb.data.get("_prox_lp")}
+                "adv": mb.data["_adv"], "lens": lens, "prox": mb.data.get("_prox_lp"),
+                "ref": mb.data.get("_ref_lp")}
 
     def _loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:
         t = self.temperature  # the policy being trained is the one that sampled: pi(.)^(1/T), renormalised
@@ -171,8 +189,9 @@ class PPOActorInterface(ModelInterface):
             lp, ent = outputs.logprobs_and_entropy(extra["targets"], t)
         else:
             lp, ent = outputs.logprobs(extra["targets"], t), None
+        ref = extra["ref"].float() if self.loss_cfg.kl_loss_coef and extra["ref"] is not None else None
         return ppo_actor_loss(lp, extra["old"], extra["adv"], extra["mask"], self.loss_cfg,
-                              seqlens=extra["lens"], prox_logprobs=extra["prox"], entropy=ent)
+                              seqlens=extra["lens"], prox_logprobs=extra["prox"], entropy=ent, ref_logprobs=ref)
 
     def _weight(self, extra: dict) -> float:
         return float(aggregation_weight(extra["mask"], extra["lens"], self.loss_cfg.agg))

@@ -16,8 +16,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mfc.advantages import gae, grpo_advantages, normalize, reinforce_pp_advantages, rloo_advantages
+from mfc.advantages import discounted_returns, gae, seq_to_token
 from mfc.kl import KLControlConfig, kl_estimate, make_kl_controller, shape_rewards
+from mfc.normalization import NormConfig, normalize
 from mfc.ppo_functional import ppo_minibatches
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 
@@ -38,16 +39,60 @@ class AdvantageConfig:
     kl_ctl: str = "fixed"  # fixed | adaptive (steer the per-sequence KL towards kl_target)
     kl_target: float = 6.0
     kl_horizon: float = 10000.0
+    kl_clamp: Optional[float] = 10.0  # bound on each token's KL estimate
+    kl_in: str = "reward"  # reward: a per-token penalty in the reward (AReaL) | loss: in the actor's loss (GRPO)
     reward_scale: float = 1.0
     reward_bias: float = 0.0
     reward_clip: Optional[float] = None
-    adv_norm: str = "batch"  # none | batch | group
+    # the sequence rewards' normalisation (mfc.normalization); None: the estimator's own (grpo:
+    # group mean and unbiased std, eps 1e-6; rloo: the group's leave-one-out mean; others: none)
+    reward_norm: Optional[Any] = None
+    # the token advantages' normalisation; "none" | "batch" | "group" are shorthands (mean and
+    # population std at that level, eps 1e-8: realflow's behaviour before NormConfig)
+    adv_norm: Any = "batch"
     adv_norm_std: bool = True
-    mask_truncated: bool = False  # responses cut by max_new_tokens get no loss
+    mask_truncated: bool = False  # responses cut by max_new_tokens get no loss (DAPO's overlong filtering)
+    overlong_buffer: int = 0  # DAPO soft overlong punishment: the last N tokens before max_new_tokens
+    overlong_penalty: float = 1.0  # ... cost up to this much reward, linearly
+    max_new_tokens: int = 0  # the generation length limit (needed by the overlong punishment)
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator={self.estimator!r}: expected one of {ESTIMATORS}")
+        self.reward_norm = _norm(self.reward_norm, "reward_norm") if self.reward_norm is not None \
+            else _estimator_reward_norm(self.estimator)
+        self.adv_norm = _norm(self.adv_norm, "adv_norm", self.adv_norm_std)
+        if self.kl_in not in ("reward", "loss"):
+            raise ValueError(f"kl_in={self.kl_in!r}: expected reward or loss")
+        if self.overlong_buffer < 0 or (self.overlong_buffer and self.overlong_buffer >= max(self.max_new_tokens, 1)):
+            raise ValueError(f"overlong_buffer={self.overlong_buffer} must be >= 0 and < max_new_tokens="
+                             f"{self.max_new_tokens}")
+
+
+def _norm(value: Any, what: str, scale: bool = True) -> NormConfig:
+    if isinstance(value, NormConfig):
+        return value
+    if isinstance(value, dict):
+        return NormConfig(**value)
+    if value in ("none", "batch", "group"):
+        return NormConfig(mean_level=value, std_level=value if scale else "none", std_unbiased=False, eps=1e-8)
+    raise ValueError(f"{what}={value!r}: expected a NormConfig, its fields as a dict, or none | batch | group")
+
+
+def _estimator_reward_norm(estimator: str) -> NormConfig:
+    if estimator == "grpo":
+        return NormConfig(mean_level="group", std_level="group", std_unbiased=True, eps=1e-6)
+    if estimator == "rloo":
+        return NormConfig(mean_level="group", std_level="none", mean_leave1out=True)
+    return NormConfig(mean_level="none", std_level="none")
+
+
+def overlong_punishment(resp_lens: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment per sequence: 0 up to ``max_new_tokens - buffer`` tokens,
+    then falling linearly to ``-penalty`` at ``max_new_tokens`` (and beyond)."""
+    start = max_new_tokens - buffer
+    over = (resp_lens.to(torch.float64) - start).clamp(min=0) / buffer
+    return -penalty * over.clamp(max=1.0)
 
 
 @dataclass
@@ -131,12 +176,24 @@ def compute_rl_tensors(batch: SequenceBatch, cfg: AdvantageConfig,
                                "n_prompt_tokens": float(sum(lens) - act.sum()),
                                "response_len_max": float(max(resp_lens, default=0))}
     if REF_LOGPROBS in batch.data:
-        kl = kl_estimate(a_old, batch.data[REF_LOGPROBS].float()[act], cfg.kl_estimator)
+        kl = kl_estimate(a_old, batch.data[REF_LOGPROBS].float()[act], cfg.kl_estimator, value_clamp=cfg.kl_clamp)
         stats["kl_ref_sum"] = float(kl.sum())
+    if cfg.kl_in == "loss":  # the actor's loss carries it (with its gradient): no penalty in the reward
+        kl_coef = 0.0
+    if cfg.overlong_buffer:
+        pun = overlong_punishment(torch.tensor(resp_lens), cfg.max_new_tokens, cfg.overlong_buffer,
+                                  cfg.overlong_penalty).to(scores.dtype)
+        stats["overlong_penalty_sum"] = float(-pun.sum())
+        scores = scores + pun
+    seq_gid = torch.repeat_interleave(torch.arange(len(group_sizes)), torch.tensor(group_sizes))
+    scores = (scores + cfg.reward_bias) * cfg.reward_scale  # clip((r + bias) * scale), then normalise
+    if cfg.reward_clip is not None:
+        scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+    if not cfg.reward_norm.is_identity:
+        scores = normalize(scores.double(), cfg.reward_norm, seq_gid, dp_sum=dp_sum).to(scores.dtype)
     values = batch.data[VALUES].float() if VALUES in batch.data else None
     if cfg.estimator in ("gae", "reinforce++"):
-        tok_r = shape_rewards(scores, resp_lens, kl, kl_coef, score_clip=cfg.reward_clip,
-                              score_scale=cfg.reward_scale, score_bias=cfg.reward_bias)
+        tok_r = shape_rewards(scores, resp_lens, kl, kl_coef)
         if cfg.estimator == "gae":
             if values is None:
                 raise ValueError("estimator 'gae' needs critic values (key 'values'); use grpo/rloo/reinforce++")
@@ -144,24 +201,17 @@ def compute_rl_tensors(batch: SequenceBatch, cfg: AdvantageConfig,
             adv, ret = gae(tok_r, values[act], resp_lens, cfg.gamma, cfg.lam, done=~no_eos,
                            bootstrap_values=values[ends])
         else:
-            adv, ret = reinforce_pp_advantages(tok_r, resp_lens, cfg.gamma, scale_by_std=False)
-    else:
-        s = (scores + cfg.reward_bias) * cfg.reward_scale
-        if cfg.reward_clip is not None:
-            s = s.clamp(-cfg.reward_clip, cfg.reward_clip)
-        fn = grpo_advantages if cfg.estimator == "grpo" else rloo_advantages
-        adv = fn(s, group_sizes, seqlens=resp_lens).float()
+            # the return-to-go; its normalisation over the global batch is adv_norm's (below)
+            ret = discounted_returns(tok_r, resp_lens, cfg.gamma)
+            adv = ret.clone()
+    else:  # outcome estimators: the (normalised) sequence reward on each of its tokens
+        adv = seq_to_token(scores.float(), resp_lens)
         if kl is not None and kl_coef:
-            adv = adv - kl_coef * kl  # GRPO-style: KL as a per-token advantage penalty
+            adv = adv - kl_coef * kl  # KL in the reward, per token (AReaL's way for critic-free runs)
         ret = adv.clone()
-    if cfg.adv_norm != "none":
-        gid = None
-        if cfg.adv_norm == "group":
-            gid = torch.repeat_interleave(torch.repeat_interleave(torch.arange(len(group_sizes)),
-                                                                  torch.tensor(group_sizes)),
-                                          torch.tensor(resp_lens))
-        adv = normalize(adv, mode=cfg.adv_norm, scale_by_std=cfg.adv_norm_std, group_ids=gid,
-                        dp_sum=dp_sum if cfg.adv_norm == "batch" else None)
+    if not cfg.adv_norm.is_identity:
+        gid = torch.repeat_interleave(seq_gid, torch.tensor(resp_lens))
+        adv = normalize(adv, cfg.adv_norm, gid, dp_sum=dp_sum)
     full_adv = torch.zeros_like(old_lp)
     full_ret = torch.zeros_like(old_lp)
     full_adv[act] = adv.float()

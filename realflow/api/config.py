@@ -388,12 +388,31 @@ def _assign(cls: type, root: _Node, key: str, raw: str) -> None:
         raise ConfigError(f"config key {key!r}: {path} is of type {_type_name(tp)} and has no sub-keys")
 
 
+def expand_presets(cls: type, argv: list[str]) -> list[str]:
+    """``argv`` with each preset key's items (``cls.PRESETS[key][value]``, e.g. ``algorithm=dapo``)
+    put first: a preset only sets defaults, every key it sets stays overridable by a later item."""
+    presets: dict[str, dict[str, list[str]]] = getattr(cls, "PRESETS", None) or {}
+    first: list[str] = []
+    for key, table in presets.items():
+        chosen = [a.split("=", 1)[1].strip() for a in argv if a.split("=", 1)[0].strip() == key and "=" in a]
+        if not chosen or not chosen[-1]:
+            continue
+        name = chosen[-1]
+        if name not in table:
+            hint = closest(name, list(table))
+            raise ConfigError(f"{key}={name!r} is not a preset; known: {', '.join(table)}"
+                              + (f" (did you mean {', '.join(hint)}?)" if hint else ""))
+        first += list(table[name])
+    return first + list(argv)
+
+
 def parse_overrides(cls: type[T], argv: list[str], base: T | None = None) -> T:
-    """Build ``cls`` (or update ``base``) from ``key=value`` items; later items win."""
+    """Build ``cls`` (or update ``base``) from ``key=value`` items; later items win. Preset keys
+    (``cls.PRESETS``) expand first (see :func:`expand_presets`)."""
     if not dataclasses.is_dataclass(cls):
         raise ConfigError(f"{cls!r} is not a dataclass config class")
     root = _Node()
-    for arg in argv:
+    for arg in expand_presets(cls, argv):
         if "=" not in arg:
             extra = " (options: --help, --import MODULE)" if arg.startswith("-") else ""
             raise ConfigError(f"expected key=value, got {arg!r}{extra}")
@@ -487,6 +506,10 @@ def format_help(cls: type, prog: str | None = None) -> str:
         lines += ["", doc]
     lines += ["", f"{cls.__name__} keys (set with key=value; nested keys with dots):"]
     _help_lines(cls, "", _UNSET, lines)
+    for key, table in (getattr(cls, "PRESETS", None) or {}).items():
+        lines += ["", f"{key}=NAME presets (each sets these keys first; any of them can still be overridden):"]
+        for name, items in table.items():
+            lines.append(f"  {key}={name}: {' '.join(items) if items else '(the experiment defaults)'}")
     lines += [
         "",
         "values: bool = true/false/1/0/yes/no; lists = 1,2,3 or JSON; Optional = none; dicts = JSON",

@@ -16,7 +16,7 @@ _BASE: dict[str, Any] = {
     "adv_norm.mean_leave1out": "false", "adv_norm.std_unbiased": "true", "adv_norm.eps": "1e-5",
     "eps_clip": "0.2", "eps_clip_high": "none", "dual_clip": "none", "policy_loss": "clip",
     "importance_sampling_level": "token", "loss_agg": "token-mean", "loss_agg_norm_len": "none",
-    "mask_truncated": "false", "overlong_buffer_ratio": "0", "kl_in": "reward",
+    "mask_truncated": "false", "overlong_buffer_ratio": "0", "kl_in": "reward", "dynamic_sampling": "false",
 }
 
 
@@ -43,8 +43,8 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "rloo": {"estimator": "rloo", **_norm("reward_norm", "group", "none", leave1out=True)},
     # REINFORCE++ (Hu 2025): discounted return-to-go, normalised over the global batch
     "reinforce_pp": {"estimator": "reinforce++", **_BATCH_ADV},
-    # DAPO (Yu et al. 2025): clip-higher, token-level loss, soft overlong punishment
-    "dapo": {**_GROUP_Z, "eps_clip_high": "0.28", "overlong_buffer_ratio": "0.25"},
+    # DAPO (Yu et al. 2025): clip-higher, token-level loss, soft overlong punishment, dynamic sampling
+    "dapo": {**_GROUP_Z, "eps_clip_high": "0.28", "overlong_buffer_ratio": "0.25", "dynamic_sampling": "true"},
     # GSPO (Zheng et al. 2025): the sequence-level ratio exp(mean log-ratio), clipped per sequence
     "gspo": {**_GROUP_Z, "importance_sampling_level": "sequence", "eps_clip": "3e-4", "eps_clip_high": "4e-4",
              "loss_agg": "seq-mean-token-mean"},

@@ -146,7 +146,8 @@ class _AsyncBase(_RLBase):
                 weight_sync=r.weight_sync, weight_broadcast_timeout_s=r.weight_broadcast_timeout_s,
                 interrupt_mode=r.interrupt_mode, reward_timeout_s=r.reward_timeout_s,
                 agent_timeout_s=r.agent_timeout_s,
-                reward_processes=r.reward_processes, server_limits=r.server_limits, seed=self.seed)
+                reward_processes=r.reward_processes, server_limits=r.server_limits, seed=self.seed,
+                dynamic_sampling=h.dynamic_sampling)
         except RolloutError as e:
             raise RolloutError(f"rollout.{e}") from None
         return ExperimentSetup(

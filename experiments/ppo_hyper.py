@@ -65,6 +65,11 @@ class PPOHyperConfig:
         "help": "DAPO soft overlong punishment: the last ratio x max_new_tokens tokens cost up to "
                 "overlong_penalty reward, linearly (0 = off)"})
     overlong_penalty: float = field(default=1.0, metadata={"help": "the reward an answer of max_new_tokens loses"})
+    dynamic_sampling: bool = field(default=False, metadata={
+        "help": "DAPO: drop groups whose rewards are all equal and draw more prompts until the batch is full "
+                "(asynchronous runs: dropped at the rollout side, never counted against staleness)"})
+    dynamic_sampling_max_rounds: int = field(default=8, metadata={
+        "help": "synchronous: extra rounds of drawing before the step fails with an error saying so"})
     value_eps_clip: float = field(default=0.2, metadata={"help": "critic value clip"})
 
     def __post_init__(self) -> None:
@@ -122,6 +127,10 @@ class PPOHyperConfig:
             raise clash("reward_norm", "n_samples", "a group-level statistic needs >= 2 responses per prompt")
         if self.kl_in == "loss" and self.kl_ctl == "adaptive":
             raise clash("kl_in", "kl_ctl", "the adaptive controller steers the reward's KL penalty")
+        if self.dynamic_sampling and self.n_samples < 2:
+            raise clash("dynamic_sampling", "n_samples", "a group of one response always has equal rewards")
+        if self.dynamic_sampling_max_rounds < 0:
+            raise ValueError(f"ppo.dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds} must be >= 0")
         if self.overlong_buffer_ratio and self.mask_truncated:
             raise clash("overlong_buffer_ratio", "mask_truncated",
                         "truncated answers carry no loss, so their length penalty would never act")

@@ -22,8 +22,8 @@ from experiments.tasks.registry import get_task
 from graphs.ppo import ACTOR, CRITIC, REF, REWARD, PPOGraphConfig
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
-from realflow.api.experiment import (BaseExperimentConfig, DatasetSpec, EvalSpec, ExperimentSetup, ModelSpec,
-                                     OptimizerConfig, register_experiment)
+from realflow.api.experiment import (BaseExperimentConfig, DatasetSpec, EvalSpec, ExperimentSetup,
+                                     GroupFilterSpec, ModelSpec, OptimizerConfig, register_experiment)
 
 SFT_TIMEOUT_S = 1800
 REWARD_ARGS_HELP = 'keyword arguments of the reward (JSON), e.g. {"wall_s": 2} for code-tests'
@@ -167,6 +167,7 @@ class _RLBase(BaseExperimentConfig):
             experiment_name=self.experiment_name or self._name, trial_name=self.trial_name, mfcs=mfcs,
             models=models, dataset=DatasetSpec(format=self.dataset.format, path=train, args=data_args),
             n_workers=self.n_workers, allocation=self.allocation or self._default_allocation(),
+            group_filter=GroupFilterSpec("rewards", h.dynamic_sampling_max_rounds) if h.dynamic_sampling else None,
             run_dir=self.run_dir(self._name), total_train_epochs=self.total_train_epochs,
             max_train_steps=self.max_train_steps, save_freq_steps=self.save_freq_steps,
             eval=self._eval_spec(test, data_args),

@@ -90,14 +90,35 @@ def _rows(run_dir) -> list[dict]:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("app,exp,alg", [("main_sync_ppo", "grpo-math", "dr_grpo"),
                                          ("main_sync_ppo", "grpo-math", "sapo"),
+                                         ("main_sync_ppo", "grpo-math", "dapo"),
                                          ("main_async_ppo", "async-grpo-math", "gspo"),
                                          ("main_async_ppo", "async-grpo-math", "dapo")])
 def test_presets_run_to_completion(fileroot, app, exp, alg):
-    res = _cli(app, f"fileroot={fileroot}", *FAST, f"algorithm={alg}", f"trial_name={alg}")
+    dense = ["reward=arithmetic_consistency"] if alg == "dapo" else []  # the weak start: groups that differ
+    res = _cli(app, f"fileroot={fileroot}", *FAST, f"algorithm={alg}", f"trial_name={alg}", *dense)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _rows(fileroot / exp / alg)
     assert len(rows) == 3 and all(math.isfinite(r["actor_train/loss"]) for r in rows), rows
     assert "held-out" in res.stdout
+    if alg == "dapo" and app == "main_sync_ppo":  # dynamic sampling: every trained group has a reward spread
+        assert all(r["dynamic_sampling/kept_frac"] <= 1.0 and "dynamic_sampling/extra_rounds" in r for r in rows)
+        with open(fileroot / exp / alg / "samples.jsonl") as f:  # every step trained a full batch
+            assert [len(json.loads(line)["ids"]) for line in f if line.strip()] == [8, 8, 8]
+    if alg == "dapo" and app == "main_async_ppo":
+        assert "async/filtered_groups" in rows[-1]
+
+
+def test_dynamic_sampling_that_cannot_fill_a_batch_stops_saying_why(fileroot):
+    env_args = ["--import", "constant_reward"]
+    plugins = os.path.join(REPO, "tests", "plugins")
+    res = subprocess.run([sys.executable, "-m", "realflow.apps.main_sync_ppo", *env_args, f"fileroot={fileroot}", *FAST,
+                          "algorithm=dapo", "reward=constant", "ppo.dynamic_sampling_max_rounds=2",
+                          "trial_name=nofill"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join([plugins, os.environ.get("PYTHONPATH", "")])))
+    assert res.returncode != 0
+    assert "dynamic sampling: after 2 extra round(s) only 0 of batch_size=8 groups had rewards that differ" \
+        in res.stderr, res.stderr[-3000:]
+    assert "24 of 24 drawn were all equal" in res.stderr and "ppo.dynamic_sampling_max_rounds" in res.stderr
 
 
 def test_a_user_package_adds_a_policy_loss_without_editing_realflow():

@@ -91,6 +91,20 @@ class DatasetSpec:
 
 
 @dataclass
+class GroupFilterSpec:
+    """Dynamic sampling (DAPO): after the MFC producing ``key`` ran, samples whose values of ``key``
+    are all equal (a prompt's responses all right or all wrong: no learning signal) are dropped
+    and more samples drawn, up to ``max_extra_rounds`` rounds, until the training batch is full."""
+
+    key: str = "rewards"
+    max_extra_rounds: int = 8
+
+    def __post_init__(self) -> None:
+        if self.max_extra_rounds < 0:
+            raise ValueError(f"max_extra_rounds={self.max_extra_rounds} must be >= 0")
+
+
+@dataclass
 class EvalSpec:
     """Held-out evaluation: the role whose ``evaluate`` runs, on which data, how often."""
 
@@ -124,6 +138,7 @@ class ExperimentSetup:
     mfc_timeout_s: float = 1800.0
     heartbeat_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
+    group_filter: Optional[GroupFilterSpec] = None  # dynamic sampling (synchronous runs)
     on_nonfinite: str = "stop"  # a train step with a non-finite loss or gradient: stop | skip (its update)
     max_nonfinite_skips: int = 3  # skip mode: consecutive skipped steps before the run stops
     trace: bool = True

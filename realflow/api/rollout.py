@@ -78,6 +78,7 @@ class RolloutSpec:
     weight_broadcast_timeout_s: float = 120.0
     server_limits: GenServerLimits = field(default_factory=GenServerLimits)
     seed: int = 1
+    dynamic_sampling: bool = False  # groups whose rewards are all equal are dropped at the rollout side
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> RolloutError:

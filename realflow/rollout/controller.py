@@ -69,6 +69,7 @@ class Counts:
     refused: int = 0  # /admit calls answered "not now" (the staleness bound held a rollout back)
     agent_errors: int = 0
     agent_timeouts: int = 0
+    filtered: int = 0  # dynamic sampling: groups whose rewards were all equal, never sent to the trainer
 
     @property
     def live_total(self) -> int:
@@ -171,8 +172,11 @@ class RolloutController:
                     return {"admitted": False, "stop": False}
 
     async def done(self, version: int, ok: bool, error: str = "", index: Optional[int] = None,
-                   sample_id: str = "", timed_out: bool = False) -> None:
-        """A rollout admitted at ``version`` (prompt number ``index``) reached the trainer (``ok``) or failed."""
+                   sample_id: str = "", timed_out: bool = False, filtered: bool = False) -> None:
+        """A rollout admitted at ``version`` (prompt number ``index``) reached the trainer (``ok``), failed,
+        or was ``filtered`` (dynamic sampling: all rewards equal). A failed or filtered one frees its
+        place under the staleness bound (it never reaches the trainer) and its prompt is not handed
+        out again."""
         if self.counts.admitted.get(version, 0) <= self.counts.failed[version] + self.counts.finished[version]:
             raise ValueError(f"/done for version {version}: no such rollout is running")
         if index is not None:
@@ -181,15 +185,18 @@ class RolloutController:
             self.counts.finished[version] += 1
         else:
             self.counts.failed[version] += 1
-            self.counts.agent_errors += 1
-            self.counts.agent_timeouts += bool(timed_out)
+            if filtered:
+                self.counts.filtered += 1
+            else:
+                self.counts.agent_errors += 1
+                self.counts.agent_timeouts += bool(timed_out)
         await self._notify()
 
     def state(self) -> dict[str, Any]:
         c = self.counts
         return {"version": self.version, "admitted": dict(c.admitted), "failed": dict(c.failed),
                 "finished": dict(c.finished), "running": c.running, "refused": c.refused,
-                "agent_errors": c.agent_errors, "agent_timeouts": c.agent_timeouts, "tokens_generated": self.pool.tokens_generated,
+                "agent_errors": c.agent_errors, "agent_timeouts": c.agent_timeouts, "filtered": c.filtered, "tokens_generated": self.pool.tokens_generated,
                 "failovers": self.pool.requests_failed_over,
                 "servers": {s.name: {"alive": s.alive, "url": s.url, "version": s.version,
                                      "outstanding_tokens": s.outstanding_tokens, "lost": s.lost_reason}
@@ -416,7 +423,7 @@ def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.
         body = await _body(request)
         await ctl.done(_field(body, "version", int), _field(body, "ok", bool), _field(body, "error", str, ""),
                        _field(body, "index", int, None), _field(body, "id", str, ""),
-                       _field(body, "timed_out", bool, False))
+                       _field(body, "timed_out", bool, False), _field(body, "filtered", bool, False))
         return web.json_response({"success": True})
 
     async def generate(request: web.Request) -> web.Response:

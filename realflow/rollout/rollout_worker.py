@@ -304,7 +304,7 @@ class RolloutWorker:
     async def _rollout(self, row: Any, epoch: int, index: int, version: int, sem: asyncio.Semaphore) -> None:
         sid = f"{row.id}/e{epoch}"
         seed = zlib.crc32(f"{self.spec.seed}/{sid}".encode())
-        ok, err, timed_out = False, "", False
+        ok, err, timed_out, filtered = False, "", False, False
         try:
             data = {"id": sid, "prompt_ids": list(row.prompt_ids), "answer": row.answer, **dict(row.meta)}
             # not wait_for: an agent's own TimeoutError (a RewardTimeout) must not read as its timeout
@@ -320,9 +320,13 @@ class RolloutWorker:
                 raise TimeoutError(f"agent {self.spec.agent!r} did not return within "
                                    f"agent_timeout_s={self.spec.agent_timeout_s:g}s")
             trajs = task.result()
-            batch = rollout_to_batch(sid, trajs, version, answer=row.answer)
-            await self._push(batch.to_wire())
-            ok = True
+            rewards = {float(t.reward) for t in trajs}
+            if self.spec.dynamic_sampling and len(trajs) > 1 and len(rewards) == 1:
+                filtered = True  # no learning signal: never sent, frees its place under the staleness bound
+            else:
+                batch = rollout_to_batch(sid, trajs, version, answer=row.answer)
+                await self._push(batch.to_wire())
+                ok = True
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - an agent's failure is counted, never fatal
@@ -338,7 +342,7 @@ class RolloutWorker:
         if ok:
             self.n_ok += 1
         await self.controller_call("/done", {"version": version, "ok": ok, "error": err[:500], "index": index,
-                                             "id": sid, "timed_out": timed_out})
+                                             "id": sid, "timed_out": timed_out, "filtered": filtered})
 
     async def _push(self, wire: dict) -> None:
         to, sock = self.socks[next(self._next_sock)]

@@ -94,6 +94,7 @@ class AsyncMaster(Master):
             "async/trained_samples_per_s_cum": self._trained / max(now - self._t_train0, 1e-9),
             "async/admitted": float(sum(c["admitted"].values())),
             "async/refused": float(c["refused"]),
+            "async/filtered_groups": float(c.get("filtered", 0)),
             "async/agent_errors": float(c["agent_errors"]),
             "async/agent_timeouts": float(c.get("agent_timeouts", 0)),
             "async/running": float(c["running"]),

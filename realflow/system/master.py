@@ -25,6 +25,7 @@ from realflow.base.output_paths import ensure_inside, output_root
 from realflow.base.stats import StatsLogger, StepLog
 from realflow.base.trace import Tracer, merge_traces
 from realflow.comm.rpc import RemoteError
+from realflow.system.dynamic_sampling import sample_until_full, split_generations
 from realflow.system.holders import HolderIndex, MissingKeyError
 from realflow.system.model_store import ModelStore
 from realflow.system.placement import assign_to_dp_ranks
@@ -235,13 +236,15 @@ class Master:
         with self.tracer.span("fetch", step=self.step):
             batch = self._fetch_batch()
         stats: dict[str, float] = {"time/fetch": time.perf_counter() - t0}
-        for generation in self.plan.graph.topological_generations():
+        generations = self.plan.graph.topological_generations()
+        if self.setup.group_filter is not None:  # dynamic sampling: roll out until the batch is full
+            rollout, generations = split_generations(generations, {m.name: m for m in self.plan.graph.mfcs},
+                                                     self.setup.group_filter.key)
             t = time.perf_counter()
-            with self.tracer.span("generation", mfcs=",".join(generation)):
-                results = self._run_generation([self.plan.graph.mfc(n) for n in generation], batch)
-            for name, mfc_stats in results.items():
-                stats.update({f"{name}/{k}": v for k, v in mfc_stats.items()})
-                stats[f"time/{name}"] = time.perf_counter() - t
+            with self.tracer.span("dynamic_sampling", step=self.step):
+                batch = sample_until_full(self, batch, rollout, stats)
+            stats["time/rollout"] = time.perf_counter() - t
+        stats.update(self.run_generations(generations, batch))
         self.samples.write(self.step, {"ids": batch.ids})
         self._all("drop", {"ids": batch.ids}, 60.0)
         self.holders.drop(batch.ids)
@@ -249,7 +252,34 @@ class Master:
         stats["epoch"] = self.epoch
         return stats
 
-    def _fetch_batch(self) -> SequenceBatch:
+    def run_generations(self, generations: list[list[str]], batch: SequenceBatch) -> dict[str, float]:
+        """Run topological ``generations`` of the graph on ``batch``; the step stats they give:
+        ``<mfc>/<stat>`` and ``time/<mfc>`` (MFCs of one generation share its wall time)."""
+        stats: dict[str, float] = {}
+        for generation in generations:
+            t = time.perf_counter()
+            with self.tracer.span("generation", mfcs=",".join(generation)):
+                results = self._run_generation([self.plan.graph.mfc(n) for n in generation], batch)
+            for name, mfc_stats in results.items():
+                stats.update({f"{name}/{k}": v for k, v in mfc_stats.items()})
+                stats[f"time/{name}"] = time.perf_counter() - t
+        return stats
+
+    def drop_samples(self, ids: list[str]) -> None:
+        """Forget ``ids`` everywhere (workers' data stores and the holder index)."""
+        if ids:
+            self._all("drop", {"ids": ids}, 60.0)
+            self.holders.drop(ids)
+
+    def call(self, worker: int, handler: str, payload: dict, timeout: float) -> Any:
+        """One request to one worker; its reply."""
+        rid = self._request(worker, handler, payload, timeout)
+        return self._wait([rid], timeout=timeout)[rid]
+
+    def fetch_batch(self, n: int) -> SequenceBatch:
+        return self._fetch_batch(n)
+
+    def _fetch_batch(self, n: Optional[int] = None) -> SequenceBatch:
         """Collect ``batch_size`` samples' metadata, spread evenly over the workers.
 
         A batch may straddle an epoch boundary: a worker whose epoch ended goes on with the
@@ -257,7 +287,8 @@ class Master:
         the new epoch (it trains in this batch, at the old epoch's end). The worker then holds
         that sample once (its data store keys samples by id), so it is left there, not dropped."""
         parts: list[SequenceBatch] = []
-        need = self.batch_size
+        want = self.batch_size if n is None else n
+        need = want
         taken: set[str] = set()
         done_workers: set[int] = set()
         idle_rounds = 0
@@ -285,8 +316,8 @@ class Master:
                     break
             idle_rounds = idle_rounds + 1 if need == before else 0
             if idle_rounds > 2:
-                raise MasterError(f"batch_size={self.batch_size} is larger than the data set: the workers hold "
-                                  f"{self.batch_size - need} distinct samples")
+                raise MasterError(f"batch_size={want} is larger than the data set: the workers hold "
+                                  f"{want - need} distinct samples")
         if len(done_workers) == self.setup.n_workers:
             self.epoch += 1
         return SequenceBatch.gather(parts)

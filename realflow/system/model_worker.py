@@ -97,6 +97,7 @@ class ModelWorker:
             "save_recover": self.save_recover,
             "load_recover": self.load_recover,
             "drop": self.drop,
+            "spread": self.spread,
             "finish": self.finish,
             "peek_trajectories": self.peek_trajectories,
             "take_trajectories": self.take_trajectories,
@@ -267,6 +268,15 @@ class ModelWorker:
         with self.tracer.span("evaluate"):
             stats = self.interfaces["__eval__"].evaluate(model, self.eval_batch)
         return {"stats": stats}
+
+    def spread(self, payload: dict) -> dict:
+        """Per sample, max - min of its values of ``payload["key"]`` (dynamic sampling: 0 = all equal)."""
+        batch = self.data.get(payload["ids"], [payload["key"]])
+        out = {}
+        for i, sid in enumerate(batch.ids):
+            vals = torch.cat([t.reshape(-1).float() for t in batch.sequences(payload["key"], i)])
+            out[sid] = float(vals.max() - vals.min()) if vals.numel() else 0.0
+        return {"spread": out}
 
     def save(self, payload: dict) -> dict:
         role = payload["role"]

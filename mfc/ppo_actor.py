@@ -168,6 +168,8 @@ class PPOActorInterface(ModelInterface):
         n_trunc, n_act = eng.dp_sum([t.stats["n_truncated"], t.stats["n_action_tokens"]])
         out["truncated_frac"] = n_trunc / max(n_seqs, 1.0)
         out["response_len"] = n_act / max(n_seqs, 1.0)
+        # the behaviour policy's entropy per token, estimated from its sampled tokens (free: no extra pass)
+        out["sample_entropy"] = eng.dp_sum([t.stats["neg_logprob_sum"]])[0] / max(n_act, 1.0)
         # the long tail a synchronous generation waits for, and the prompts (what the planner needs)
         out["response_len_max"] = eng.dp_max([t.stats["response_len_max"]])[0]
         out["prompt_len"] = eng.dp_sum([t.stats["n_prompt_tokens"]])[0] / max(n_seqs, 1.0)

@@ -174,7 +174,9 @@ def compute_rl_tensors(batch: SequenceBatch, cfg: AdvantageConfig,
     stats: dict[str, float] = {"score_sum": float(scores.sum()), "n_seqs": float(len(lens)),
                                "n_truncated": float(no_eos.sum()), "n_action_tokens": float(act.sum()),
                                "n_prompt_tokens": float(sum(lens) - act.sum()),
-                               "response_len_max": float(max(resp_lens, default=0))}
+                               "response_len_max": float(max(resp_lens, default=0)),
+                               # -log p of the sampled tokens: a Monte-Carlo estimate of the policy's entropy
+                               "neg_logprob_sum": float(-a_old.sum())}
     if REF_LOGPROBS in batch.data:
         kl = kl_estimate(a_old, batch.data[REF_LOGPROBS].float()[act], cfg.kl_estimator, value_clamp=cfg.kl_clamp)
         stats["kl_ref_sum"] = float(kl.sum())

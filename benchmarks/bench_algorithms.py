@@ -1,0 +1,126 @@
+"""Every preset of the PPO family trained on one task, seed and step budget, in one table.
+
+    python -m benchmarks.bench_algorithms [--steps 40] [--presets grpo,dapo,...] [--fileroot DIR] [key=value ...]
+
+Each preset (``algorithm=NAME``; ``ppo`` runs ``experiment=ppo-math``, which has the critic it
+needs, the others ``grpo-math``) trains from the same SFT start on the long-tail arithmetic task
+of the asynchronous PPO default (``worked_arithmetic``: multi-step worked answers, 96 new tokens),
+with the same seed, batch and step budget, through the real synchronous launcher on the CPU
+default. Printed per preset: held-out pass@1 (mean exact match of samples at the policy's
+temperature) before and after, its gain, the reward curve's area (mean training reward over the
+run), seconds and tokens per step, clip fraction and the sampled tokens' entropy; the PNG
+(``<fileroot>/algorithms.png``) draws the reward curves. Every preset must learn: its pass@1 gain
+is compared with the GRPO default's on the same budget.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from experiments.algorithms import ALGORITHMS  # noqa: E402
+
+TASK = ["dataset.task=worked_arithmetic", "ppo.max_new_tokens=96", "dataset.n_test=64", "eval_n_samples=4",
+        "ppo.n_samples=8", "seed=7"]
+
+
+def _run(fileroot: str, preset: str, steps: int, batch: int, extra: list[str]) -> tuple[str, str]:
+    exp = "ppo-math" if preset == "ppo" else "grpo-math"
+    n = ["ppo.n_samples=1"] if preset == "ppo" else []
+    cmd = [sys.executable, "-m", "realflow.apps.main_sync_ppo", f"experiment={exp}", f"fileroot={fileroot}",
+           f"trial_name={preset}", f"algorithm={preset}", f"max_train_steps={steps}", f"batch_size={batch}",
+           "recover_mode=off", "trace=false", *TASK, *n, *extra]
+    print("$", " ".join(cmd[2:]), flush=True)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=7200)
+    if res.returncode != 0:
+        raise SystemExit(f"{preset} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+    return res.stdout, os.path.join(fileroot, exp, preset)
+
+
+def _row(preset: str, stdout: str, run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "stats.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    steps = [r for r in rows if "actor_train/reward" in r]
+    m = re.search(r"held-out sampled_accuracy: ([\d.]+) -> ([\d.]+)", stdout)
+    before, after = (float(m.group(1)), float(m.group(2))) if m else (float("nan"), float("nan"))
+
+    def mean(key: str) -> float:
+        vals = [r[key] for r in steps if key in r]
+        return statistics.mean(vals) if vals else float("nan")
+
+    with open(os.path.join(run_dir, "samples.jsonl")) as f:
+        seqs = statistics.mean(len(json.loads(line)["ids"]) for line in f if line.strip())
+    n_samples = 1 if preset == "ppo" else 8
+    tokens = seqs * n_samples * (mean("actor_train/prompt_len") + mean("actor_train/response_len"))
+    return {"preset": preset, "before": before, "after": after, "gain": after - before,
+            "reward_area": mean("actor_train/reward"), "s_per_step": mean("time/step"), "tokens_per_step": tokens,
+            "clip_frac": mean("actor_train/clip_frac"), "entropy": mean("actor_train/sample_entropy"),
+            "curve": [r["actor_train/reward"] for r in steps]}
+
+
+def _plot(table: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in table:
+        c = r["curve"]
+        w = max(len(c) // 10, 1)
+        smooth = [statistics.mean(c[max(0, i - w + 1):i + 1]) for i in range(len(c))]
+        ax.plot(range(1, len(c) + 1), smooth, label=f"{r['preset']} (+{r['gain']:.2f} pass@1)")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training reward (moving mean of {max(len(table[0]['curve']) // 10, 1)})")
+    ax.set_title("the PPO family on worked_arithmetic, same start, seed and budget")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--batch", type=int, default=16, help="prompts per step")
+    ap.add_argument("--presets", default=",".join(ALGORITHMS))
+    ap.add_argument("--fileroot", default="")
+    args, extra = ap.parse_known_args()
+    root = args.fileroot or tempfile.mkdtemp(prefix="bench_algorithms-")
+    presets = [p for p in args.presets.split(",") if p]
+    unknown = sorted(set(presets) - set(ALGORITHMS))
+    if unknown:
+        raise SystemExit(f"unknown preset(s) {unknown}; known: {', '.join(ALGORITHMS)}")
+    table = []
+    for p in presets:
+        stdout, run_dir = _run(root, p, args.steps, args.batch, extra)
+        table.append(_row(p, stdout, run_dir))
+        r = table[-1]
+        print(f"  {p}: pass@1 {r['before']:.3f} -> {r['after']:.3f}, reward area {r['reward_area']:.3f}, "
+              f"{r['s_per_step']:.2f} s/step", flush=True)
+    print(f"\n{args.steps} steps x {args.batch} prompts on worked_arithmetic, seed 7, 2 CPU workers (d2)")
+    print(f"{'preset':<14}{'pass@1 before':>14}{'after':>8}{'gain':>8}{'reward area':>13}{'s/step':>9}"
+          f"{'tokens/step':>13}{'clip frac':>11}{'entropy':>9}")
+    for r in table:
+        print(f"{r['preset']:<14}{r['before']:>14.3f}{r['after']:>8.3f}{r['gain']:>+8.3f}{r['reward_area']:>13.3f}"
+              f"{r['s_per_step']:>9.2f}{r['tokens_per_step']:>13.0f}{r['clip_frac']:>11.3f}{r['entropy']:>9.3f}")
+    grpo = next((r for r in table if r["preset"] == "grpo"), None)
+    if grpo is not None:
+        short = [r["preset"] for r in table if r["gain"] < grpo["gain"]]
+        print(f"\nGRPO's gain on this budget: {grpo['gain']:+.3f}; below it: {', '.join(short) or 'none'}")
+    png = os.path.join(root, "algorithms.png")
+    _plot(table, png)
+    print(f"reward curves: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

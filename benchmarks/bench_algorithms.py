@@ -79,7 +79,7 @@ def _plot(table: list[dict], path: str) -> None:
         c = r["curve"]
         w = max(len(c) // 10, 1)
         smooth = [statistics.mean(c[max(0, i - w + 1):i + 1]) for i in range(len(c))]
-        ax.plot(range(1, len(c) + 1), smooth, label=f"{r['preset']} (+{r['gain']:.2f} pass@1)")
+        ax.plot(range(1, len(c) + 1), smooth, label=f"{r['preset']} ({r['gain']:+.2f} pass@1)")
     ax.set_xlabel("step")
     ax.set_ylabel(f"training reward (moving mean of {max(len(table[0]['curve']) // 10, 1)})")
     ax.set_title("the PPO family on worked_arithmetic, same start, seed and budget")

@@ -214,42 +214,16 @@ def normalize(x: torch.Tensor, mask: torch.Tensor | None = None, mode: str = "ba
     """Normalise a packed tensor over the masked entries: ``(x - mean) / (std + eps)``.
 
     ``mode``: ``"none"``, ``"batch"`` (one mean/std over all masked entries, over the
-    global batch when ``dp_sum`` is given), ``"group"`` (per ``group_ids[t]``, local).
+    global batch when ``dp_sum`` is given), ``"group"`` (per ``group_ids[t]``).
     ``scale_by_std=False`` only subtracts the mean. Unmasked entries come back as 0.
-    The std is the population std (the batch is the population here).
+    The std is the population std. A shorthand for :func:`mfc.normalization.normalize`.
     """
-    if mode == "none":
-        return x if mask is None else torch.where(mask.bool(), x, torch.zeros_like(x))
-    m = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()
-    if m.shape != x.shape:
-        raise ValueError(f"normalize: mask shape {tuple(m.shape)} != x shape {tuple(x.shape)}")
-    xd = x.detach().to(torch.float64)
-    md = m.to(torch.float64)
-    if mode == "batch":
-        s = [float((xd * md).sum()), float((xd * xd * md).sum()), float(md.sum())]
-        if dp_sum is not None:
-            s = dp_sum(s)
-        cnt = max(s[2], 1.0)
-        mean = s[0] / cnt
-        var = max(s[1] / cnt - mean * mean, 0.0)
-        out = xd - mean
-        if scale_by_std:
-            out = out / (var ** 0.5 + eps)
-    elif mode == "group":
-        if group_ids is None or group_ids.shape != x.shape:
-            raise ValueError("normalize(mode='group') needs group_ids with one group index per entry")
-        gid = group_ids.to(device=x.device, dtype=torch.long)
-        n_g = int(gid.max()) + 1 if gid.numel() else 0
-        z = lambda v: torch.zeros(n_g, dtype=torch.float64, device=x.device).index_add_(0, gid, v)  # noqa: E731
-        cnt = z(md).clamp(min=1)
-        mean = z(xd * md) / cnt
-        var = (z(xd * xd * md) / cnt - mean ** 2).clamp(min=0)
-        out = xd - mean[gid]
-        if scale_by_std:
-            out = out / (var.sqrt()[gid] + eps)
-    else:
+    from mfc.normalization import NormConfig, normalize as normalize_by
+
+    if mode not in ("none", "batch", "group"):
         raise ValueError(f"normalize: unknown mode {mode!r} (known: 'none', 'batch', 'group')")
-    return torch.where(m, out, torch.zeros_like(out)).to(x.dtype)
+    cfg = NormConfig(mean_level=mode, std_level=mode if scale_by_std else "none", std_unbiased=False, eps=eps)
+    return normalize_by(x, cfg, group_ids, mask, dp_sum if mode == "batch" else None)
 
 
 def reinforce_pp_advantages(token_rewards: torch.Tensor, seqlens: Sequence[int] | torch.Tensor,

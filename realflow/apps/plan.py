@@ -4,7 +4,7 @@
         workload.gen_len_max=8192 batch_size=64 [--top 5] [--timeline plan.png] [--import MOD]
 
 ``model=``: a preset (:data:`MODEL_PRESETS`), a checkpoint directory or a config.json (every
-role with a model gets it). ``cluster=``: ``<N>x<profile>``, a JSON file or ``local`` (this
+role with a model gets it; ``models.<role>=`` gives one role another, e.g. ``models.critic=qwen2.5-1.5b``). ``cluster=``: ``<N>x<profile>``, a JSON file or ``local`` (this
 machine's workers, with ``profile=`` from ``realflow calibrate``). ``workload.*``: sequence
 lengths (:class:`Workload`). Every other ``key=value`` configures the experiment as on its own
 command line. Prints the best plans (predicted step time, peak memory per device), the best
@@ -40,7 +40,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str], dict[st
         if a.startswith("-") or "=" not in a:
             raise ConfigError(f"realflow plan: unexpected argument {a!r} (key=value, --top, --timeline, --import)")
         k, v = a.split("=", 1)
-        if k in PLANNER_KEYS or k == "experiment":
+        if k in PLANNER_KEYS or k == "experiment" or k.startswith("models."):
             keys[k] = v
         elif k.startswith("workload."):
             try:
@@ -77,7 +77,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cluster = parse_cluster(keys["cluster"], local_devices=setup.n_workers,
                                 local_profile=keys.get("profile", "cpu-example"))
         model = load_model_config(keys["model"])
-        roles = {r: model for r, spec in setup.models.items() if spec.backend != "none"}
+        roles = _role_models(setup, keys, model)
         if args.scaling:
             return _scaling(cls, overrides, keys, cluster, model, workload, args.scaling)
         if setup.rollout is not None:
@@ -97,21 +97,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"model {keys['model']}: {sum(1 for _ in roles)} role(s) {sorted(roles)}; experiment {keys['experiment']}; "
           f"{workload}")
     print(f"{result.evaluated} allocations evaluated, {len(result.rejected)} rejected")
-    print(f"{'rank':<5}{'step s':>10}{'peak GiB':>10}{'vs global':>10}  allocation")
+    print(f"{'rank':<5}{'step s':>10}{'peak GiB':>10}{'vs global':>10}{'vs training':>12}  allocation")
     base = result.best_global.step_s if result.best_global else None
+    train = result.best_training_strategy.step_s if result.best_training_strategy else None
     for i, p in enumerate(result.ranked, 1):
         ratio = f"{base / p.step_s:.2f}x" if base else "-"
-        print(f"{i:<5}{p.step_s:>10.4g}{p.max_peak_bytes / gib:>10.2f}{ratio:>10}  {p.allocation}")
-    if result.best_global is not None:
-        g = result.best_global
-        print(f"best single global strategy: {g.allocation} ({g.step_s:.4g} s, {g.max_peak_bytes / gib:.2f} GiB)")
-    else:
-        print("no single global strategy fits; every plan above mixes strategies")
+        ratio_t = f"{train / p.step_s:.2f}x" if train else "-"
+        print(f"{i:<5}{p.step_s:>10.4g}{p.max_peak_bytes / gib:>10.2f}{ratio:>10}{ratio_t:>12}  {p.allocation}")
+    for label, g in (("best single global strategy", result.best_global),
+                     ("best training strategy (generation's pp folded into dp)", result.best_training_strategy)):
+        if g is not None:
+            print(f"{label}: {g.allocation} ({g.step_s:.4g} s, {g.max_peak_bytes / gib:.2f} GiB)")
+        else:
+            print(f"{label}: none fits")
     print(result.best.describe())
     if args.timeline:
         png = draw_timeline(result.best, cluster.n_devices, args.timeline)
         print(f"timeline drawn to {png}")
     return 0
+
+
+def _role_models(setup, keys: dict[str, str], model: dict) -> dict[str, dict]:
+    """Every role with a model gets ``model=``, except those that ``models.<role>=`` names."""
+    from realflow.system.planner.models import load_model_config
+
+    roles = {r: model for r, spec in setup.models.items() if spec.backend != "none"}
+    for k, v in keys.items():
+        if k.startswith("models."):
+            role = k.split(".", 1)[1]
+            if role not in roles:
+                raise ConfigError(f"{k}: the experiment has no role {role!r} with a model; its roles: {sorted(roles)}")
+            roles[role] = load_model_config(v)
+    return roles
 
 
 def _seqs(setup) -> int:

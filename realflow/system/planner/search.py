@@ -1,7 +1,14 @@
 """Search over allocations: one strategy for every MFC, then a strategy and a mesh per MFC.
 
-A mesh is every device or either half of them (disjoint halves let independent MFCs, such as
-the critic's and the actor's training, run at the same time; the simulator's clock sees it).
+A mesh is every device, either half or any quarter of them (disjoint meshes let independent
+MFCs, such as the critic's and the actor's training or the reference's and the critic's
+inference, run at the same time; the simulator's clock sees it).
+
+Two baselines are reported beside the best plan. The *best single global strategy* gives every
+MFC one (dp, tp, pp) on every device; generation never pipelines, so with a generate MFC it has
+pp = 1. The *best training strategy* is the stronger one a user of one Megatron layout would
+write: every MFC shares one (dp, tp, pp) except that generate MFCs fold pp into dp (dp*pp, tp).
+The search starts from the better of them (or, when none fits, from the one closest to fitting).
 
 Why coordinate descent: a step's MFCs interact only through the reallocation hooks between
 their layouts and through the devices they share, so improving one MFC's strategy at a time
@@ -29,7 +36,8 @@ class NoPlanFits(ValueError):
 @dataclass
 class SearchResult:
     best: Prediction
-    best_global: Optional[Prediction]
+    best_global: Optional[Prediction]  # one (dp, tp, pp) for every MFC
+    best_training_strategy: Optional[Prediction]  # the same, generation's pp folded into dp
     ranked: list[Prediction]  # feasible plans, fastest first (distinct allocations)
     rejected: dict[str, str]  # allocation -> why it cannot run
     evaluated: int
@@ -63,11 +71,17 @@ def _model_mfcs(setup: ExperimentSetup, model_roles: Iterable[str]) -> list[str]
 
 
 class _Evaluator:
+    """Simulates allocations once each. Plans that do not fit still get a score, so the descent
+    can walk from an over-full start (no global strategy fits a large model) towards one that fits."""
+
     def __init__(self, setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str, dict[str, Any]],
                  workload: Workload) -> None:
         self.args = (setup, cluster, model_cfgs, workload)
         self.cache: dict[str, Optional[Prediction]] = {}
+        self.oversize: dict[str, float] = {}  # allocation -> peak bytes, for plans that compile but overflow
+        self.durations: dict[str, dict[str, float]] = {}  # allocation -> MFC -> its own seconds
         self.rejected: dict[str, str] = {}
+        self.graph: Any = None  # the compiled graph's networkx edges (the same for every plan)
 
     def __call__(self, alloc: str) -> Optional[Prediction]:
         if alloc not in self.cache:
@@ -77,13 +91,28 @@ class _Evaluator:
             except ValueError as e:
                 self.rejected[alloc] = str(e).splitlines()[0]
                 pred = None
+            if pred is not None:
+                self.graph = pred.plan.graph.nx_graph
+                self.durations[alloc] = {m.name: m.end - m.start for m in pred.mfcs}
             if pred is not None and not pred.fits:
                 gib = 2 ** 30
                 self.rejected[alloc] = (f"peak memory {pred.max_peak_bytes / gib:.1f} GiB exceeds the device's "
                                         f"{pred.capacity_bytes / gib:.1f} GiB")
+                self.oversize[alloc] = pred.max_peak_bytes
                 pred = None
             self.cache[alloc] = pred
         return self.cache[alloc]
+
+    def score(self, alloc: str) -> tuple[int, float]:
+        """(0, step seconds) if it fits, (1, peak bytes) if it compiles but overflows, else (2, 0)."""
+        pred = self(alloc)
+        if pred is not None:
+            return (0, pred.step_s)
+        return (1, self.oversize[alloc]) if alloc in self.oversize else (2, 0.0)
+
+
+def _better(a: tuple[int, float], b: tuple[int, float]) -> bool:
+    return a[0] < b[0] or (a[0] == b[0] and a[1] < b[1] * (1 - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -97,13 +126,41 @@ class Choice:
         return short(self.strategy) + (f"@{self.mesh[0]}-{self.mesh[1]}" if self.mesh else "")
 
 
-def choices(n: int, max_tp: int, halves: bool = True) -> list[Choice]:
-    out = [Choice(s) for s in strategies(n, max_tp)]
-    if halves and n >= 2 and n % 2 == 0:
-        h = n // 2
-        for lo in (0, h):
-            out += [Choice(s, (lo, lo + h - 1)) for s in strategies(h, max_tp)]
+def mesh_sizes(n: int) -> list[int]:
+    """Sizes of the partial meshes: halves, quarters and eighths of the devices and their complements."""
+    return sorted({n * a // b for a, b in ((1, 2), (1, 4), (3, 4), (1, 8), (7, 8)) if n * a % b == 0 and n * a // b >= 1})
+
+
+def meshes(n: int) -> list[Optional[tuple[int, int]]]:
+    """Every device (None), then each partial mesh at the front and at the back of the devices, so
+    that any two complementary ones (k devices and n-k) split the cluster between two MFCs."""
+    out: list[Optional[tuple[int, int]]] = [None]
+    for k in mesh_sizes(n):
+        for m in ((0, k - 1), (n - k, n - 1)):
+            if m not in out:
+                out.append(m)
     return out
+
+
+def choices(n: int, max_tp: int, halves: bool = True) -> list[Choice]:
+    """Every strategy on every mesh of :func:`meshes` (only the whole mesh with ``halves=False``)."""
+    out = []
+    for m in meshes(n) if halves else [None]:
+        size = n if m is None else m[1] - m[0] + 1
+        out += [Choice(s, m) for s in strategies(size, max_tp)]
+    return out
+
+
+def _generate_mfcs(setup: ExperimentSetup) -> set[str]:
+    from realflow.api.mfc import ModelInterfaceType
+
+    return {m.name for m in setup.mfcs if m.interface_type == ModelInterfaceType.GENERATE}
+
+
+def _global_plan(s: ParallelStrategy, names: list[str], generating: set[str]) -> dict[str, Choice]:
+    """One strategy for every MFC; generate MFCs fold pp into dp (they cannot pipeline)."""
+    unpiped = ParallelStrategy(dp=s.dp * s.pp, tp=s.tp, pp=1)
+    return {m: Choice(unpiped if m in generating else s) for m in names}
 
 
 def _per_mfc(choice: dict[str, Choice], others: str = "") -> str:
@@ -117,67 +174,88 @@ def search(setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str, d
     ev = _Evaluator(setup, cluster, model_cfgs, workload)
     n = cluster.n_devices
     strats = strategies(n, cluster.devices_per_node)
-    cands = choices(n, cluster.devices_per_node)
-    globals_ = [p for p in (ev(short(s)) for s in strats) if p is not None]
+    singles = [c for c in choices(n, cluster.devices_per_node)
+               if c.mesh is None or c.mesh[1] - c.mesh[0] + 1 == n // 2]  # one-MFC moves: all or a half
     names = _model_mfcs(setup, model_cfgs)
-    best_global = min(globals_, key=lambda p: p.step_s, default=None)
-    # start from the best global strategy (or, if none fits, the first uniform mix that does)
-    start = None
-    for s in ([_strategy_of(best_global, names[0])] if best_global is not None and names else []) + strats:
-        trial = {m: Choice(s) for m in names}
-        if ev(_per_mfc(trial, short(s))) is not None:
-            start = trial
-            break
-    current = start or {m: cands[0] for m in names}
+    generating = _generate_mfcs(setup)
     fill = short(strats[0])
-    best = ev(_per_mfc(current, fill))
+    globals_ = [(_global_alloc(s, names, generating, fill), _global_plan(s, names, generating)) for s in strats]
+    strict = [ev(short(s)) for s in strats if s.pp == 1 or not generating & set(names)]
+    best_global = min((p for p in strict if p is not None), key=lambda p: p.step_s, default=None)
+    best_training = min((ev(a) for a, _ in globals_ if ev(a) is not None), key=lambda p: p.step_s, default=None)
+    # start from the best global strategy or, if none fits, the one closest to fitting
+    alloc0, current = min(globals_, key=lambda g: ev.score(g[0]))
+    score = ev.score(alloc0)
     for _ in range(rounds):
         improved = False
         for name in names:
-            for c in cands:
+            for c in singles:
                 if c == current[name]:
                     continue
                 trial = {**current, name: c}
-                pred = ev(_per_mfc(trial, fill))
-                if pred is not None and (best is None or pred.step_s < best.step_s * (1 - 1e-9)):
-                    best, current, improved = pred, trial, True
-        paired = _pair_moves(ev, names, cands, current, fill, best)
-        if paired:
-            best, current = paired
+                sc = ev.score(_per_mfc(trial, fill))
+                if _better(sc, score):
+                    score, current, improved = sc, trial, True
+        split = _split_moves(ev, names, current, fill, score, n, cluster.devices_per_node)
+        if split:
+            score, current = split
         elif not improved:
             break
     feasible = [p for p in ev.cache.values() if p is not None]
-    if best is None or not feasible:
+    if not feasible:
         raise NoPlanFits(_closest_miss(ev.rejected, cluster))
     ranked = sorted(_distinct(feasible), key=lambda p: p.step_s)[:top]
-    return SearchResult(best=min(feasible, key=lambda p: p.step_s), best_global=best_global, ranked=ranked,
-                        rejected=ev.rejected, evaluated=len(ev.cache))
+    return SearchResult(best=min(feasible, key=lambda p: p.step_s), best_global=best_global,
+                        best_training_strategy=best_training, ranked=ranked, rejected=ev.rejected,
+                        evaluated=len(ev.cache))
 
 
-def _pair_moves(ev: "_Evaluator", names: list[str], cands: list[Choice], current: dict[str, Choice], fill: str,
-                best: Optional[Prediction]) -> Optional[tuple[Prediction, dict[str, Choice]]]:
-    """Put two MFCs that do not depend on each other on the two halves at once (a move neither
-    makes alone pays off, as each would wait for the other's half). Returns (best, current) when
-    it found something faster, else None."""
+def _global_alloc(s: ParallelStrategy, names: list[str], generating: set[str], fill: str) -> str:
+    if s.pp == 1 or not generating & set(names):
+        return short(s)
+    return _per_mfc(_global_plan(s, names, generating), fill)
+
+
+SPLIT_TOP_K = 3  # strategies tried per MFC and mesh size in a split move
+
+
+def _split_moves(ev: _Evaluator, names: list[str], current: dict[str, Choice], fill: str,
+                 score: tuple[int, float], n: int, max_tp: int) -> Optional[tuple[tuple[int, float], dict[str, Choice]]]:
+    """Split the devices between two MFCs that do not depend on each other, k devices for one and
+    n-k for the other, so they run at the same time (a move neither makes alone pays off, as each
+    would wait for the other). Each MFC tries its :data:`SPLIT_TOP_K` fastest strategies on its
+    share, timed alone first. Returns (score, plan) when it found something better, else None."""
     import networkx as nx
 
-    if best is None:
+    g = ev.graph
+    if g is None:
         return None
-    g = best.plan.graph.nx_graph  # the compiled graph's own edges
-    halves = [c for c in cands if c.mesh is not None]
-    found = False
-    for a, b in itertools.combinations(names, 2):
-        if nx.has_path(g, a, b) or nx.has_path(g, b, a):
-            continue
-        for ca in halves:
-            for cb in halves:
-                if ca.mesh == cb.mesh:
-                    continue
-                trial = {**current, a: ca, b: cb}
-                pred = ev(_per_mfc(trial, fill))
-                if pred is not None and (best is None or pred.step_s < best.step_s * (1 - 1e-9)):
-                    best, current, found = pred, trial, True
-    return (best, current) if found and best is not None else None
+    pairs = [(a, b) for a, b in itertools.combinations(names, 2) if not (nx.has_path(g, a, b) or nx.has_path(g, b, a))]
+    if not pairs:
+        return None
+    fastest: dict[tuple[str, int], list[ParallelStrategy]] = {}
+
+    def top(name: str, k: int) -> list[ParallelStrategy]:
+        if (name, k) not in fastest:
+            timed = []
+            for s in strategies(k, max_tp):
+                alloc = _per_mfc({**current, name: Choice(s, (0, k - 1))}, fill)
+                ev(alloc)
+                if alloc in ev.durations and (ev(alloc) is not None or alloc in ev.oversize):
+                    timed.append((ev.durations[alloc][name], s))
+            fastest[(name, k)] = [s for _, s in sorted(timed, key=lambda t: t[0])[:SPLIT_TOP_K]]
+        return fastest[(name, k)]
+
+    found = None
+    for a, b in pairs:
+        for k in mesh_sizes(n):
+            for sa in top(a, k):
+                for sb in top(b, n - k):
+                    trial = {**current, a: Choice(sa, (0, k - 1)), b: Choice(sb, (k, n - 1))}
+                    sc = ev.score(_per_mfc(trial, fill))
+                    if _better(sc, score):
+                        score, found = sc, trial
+    return (score, found) if found is not None else None
 
 
 def exhaustive(setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str, dict[str, Any]],
@@ -190,14 +268,11 @@ def exhaustive(setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[st
     preds = [ev(_per_mfc(dict(zip(names, combo)), short(strats[0])))
              for combo in itertools.product(cands, repeat=len(names))]
     preds += [ev(short(s)) for s in strats]
+    preds += [ev(_per_mfc(_global_plan(s, names, _generate_mfcs(setup)), short(strats[0]))) for s in strats]
     feasible = [p for p in preds if p is not None]
     if not feasible:
         raise NoPlanFits(_closest_miss(ev.rejected, cluster))
     return min(feasible, key=lambda p: p.step_s)
-
-
-def _strategy_of(pred: Prediction, mfc: str) -> ParallelStrategy:
-    return pred.plan.placements[mfc].layout.strategy
 
 
 def _distinct(preds: list[Prediction]) -> list[Prediction]:

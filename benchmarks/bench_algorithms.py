@@ -1,12 +1,15 @@
 """Every preset of the PPO family trained on one task, seed and step budget, in one table.
 
-    python -m benchmarks.bench_algorithms [--steps 60] [--batch 32] [--presets grpo,dapo,...] [--fileroot DIR] [key=value ...]
+    python -m benchmarks.bench_algorithms [--steps 60] [--batch 32] [--start-steps 450] [--app sync|async]
+        [--presets grpo,dapo,...] [--fileroot DIR] [key=value ...]
 
 Each preset (``algorithm=NAME``; ``ppo`` runs ``experiment=ppo-math``, which has the critic it
 needs, the others ``grpo-math``) trains from the same SFT start on the long-tail arithmetic task
 of the asynchronous PPO default (``worked_arithmetic``: multi-step worked answers, 96 new tokens),
-with the same seed, batch and step budget, through the real synchronous launcher on the CPU
-default. Printed per preset: held-out pass@1 (mean exact match of samples at the policy's
+with the same seed, batch and step budget, through the real launcher on the CPU default
+(``--app async``: ``main_async_ppo``, where ``ppo`` is refused at config time: an asynchronous
+run trains no critic). The start is this benchmark's own SFT run of the task (``--start-steps``;
+the shipped start, 600 steps, already samples 80% right and leaves RL little to show). Printed per preset: held-out pass@1 (mean exact match of samples at the policy's
 temperature) before and after, its gain, the reward curve's area (mean training reward over the
 run), seconds and tokens per step, clip fraction and the sampled tokens' entropy; the PNG
 (``<fileroot>/algorithms.png``) draws the reward curves. Every preset must learn: its pass@1 gain
@@ -34,10 +37,32 @@ TASK = ["dataset.task=worked_arithmetic", "ppo.max_new_tokens=96", "dataset.n_te
         "ppo.n_samples=8", "seed=7", "actor_optimizer.lr=2e-5"]
 
 
-def _run(fileroot: str, preset: str, steps: int, batch: int, extra: list[str]) -> tuple[str, str]:
-    exp = "ppo-math" if preset == "ppo" else "grpo-math"
-    n = ["ppo.n_samples=1"] if preset == "ppo" else []
-    cmd = [sys.executable, "-m", "realflow.apps.main_sync_ppo", f"experiment={exp}", f"fileroot={fileroot}",
+def _start(fileroot: str, steps: int) -> str:
+    """The SFT start every preset trains from: the task's own SFT run, ``steps`` long."""
+    from experiments.tasks.registry import get_task
+
+    trial = f"bench-start-{steps}"
+    path = os.path.join(fileroot, "sft", trial, "checkpoints", "default", "final")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    task = get_task("worked_arithmetic")
+    cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={fileroot}", *task.sft_args,
+           f"max_train_steps={steps}", f"trial_name={trial}"]
+    print("$", " ".join(cmd[2:]), flush=True)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0 or not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"the SFT start failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+    return path
+
+
+def _run(fileroot: str, preset: str, steps: int, batch: int, extra: list[str], app: str = "sync"
+         ) -> tuple[str, str]:
+    if app == "async":
+        exp, n = "async-grpo-math", []
+    else:
+        exp = "ppo-math" if preset == "ppo" else "grpo-math"
+        n = ["ppo.n_samples=1"] if preset == "ppo" else []
+    cmd = [sys.executable, "-m", f"realflow.apps.main_{app}_ppo", f"experiment={exp}", f"fileroot={fileroot}",
            f"trial_name={preset}", f"algorithm={preset}", f"max_train_steps={steps}", f"batch_size={batch}",
            "recover_mode=off", "trace=false", *TASK, *n, *extra]
     print("$", " ".join(cmd[2:]), flush=True)
@@ -95,20 +120,30 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32, help="prompts per step")
     ap.add_argument("--presets", default=",".join(ALGORITHMS))
     ap.add_argument("--fileroot", default="")
+    ap.add_argument("--start-steps", type=int, default=450, help="SFT steps of the start (0: the shipped start)")
+    ap.add_argument("--app", choices=("sync", "async"), default="sync")
     args, extra = ap.parse_known_args()
     root = args.fileroot or tempfile.mkdtemp(prefix="bench_algorithms-")
     presets = [p for p in args.presets.split(",") if p]
+    if args.app == "async" and "ppo" in presets:
+        presets.remove("ppo")
+        print("ppo: not run asynchronously (refused at config time: GAE needs a critic, and an asynchronous "
+              "run trains none)")
+    if args.start_steps:
+        extra = [f"model.path={_start(root, args.start_steps)}", *extra]
     unknown = sorted(set(presets) - set(ALGORITHMS))
     if unknown:
         raise SystemExit(f"unknown preset(s) {unknown}; known: {', '.join(ALGORITHMS)}")
     table = []
     for p in presets:
-        stdout, run_dir = _run(root, p, args.steps, args.batch, extra)
+        stdout, run_dir = _run(root, p, args.steps, args.batch, extra, args.app)
         table.append(_row(p, stdout, run_dir))
         r = table[-1]
         print(f"  {p}: pass@1 {r['before']:.3f} -> {r['after']:.3f}, reward area {r['reward_area']:.3f}, "
               f"{r['s_per_step']:.2f} s/step", flush=True)
-    print(f"\n{args.steps} steps x {args.batch} prompts on worked_arithmetic, seed 7, 2 CPU workers (d2)")
+    start = f"a {args.start_steps}-step SFT start" if args.start_steps else "the shipped start"
+    print(f"\n{args.app}: {args.steps} steps x {args.batch} prompts on worked_arithmetic from {start}, seed 7, "
+          f"2 CPU workers")
     print(f"{'preset':<14}{'pass@1 before':>14}{'after':>8}{'gain':>8}{'reward area':>13}{'s/step':>9}"
           f"{'tokens/step':>13}{'clip frac':>11}{'entropy':>9}")
     for r in table:
@@ -118,7 +153,7 @@ def main() -> int:
     if grpo is not None:
         short = [r["preset"] for r in table if r["gain"] < grpo["gain"]]
         print(f"\nGRPO's gain on this budget: {grpo['gain']:+.3f}; below it: {', '.join(short) or 'none'}")
-    png = os.path.join(root, "algorithms.png")
+    png = os.path.join(root, "algorithms.png" if args.app == "sync" else "algorithms-async.png")
     _plot(table, png)
     print(f"reward curves: {png}")
     return 0

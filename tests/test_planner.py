@@ -69,6 +69,31 @@ def test_search_finds_the_enumerated_optimum(tmp_path, exp, model, cluster, n):
     assert [p.step_s for p in found.ranked] == sorted(p.step_s for p in found.ranked)
 
 
+def test_when_no_global_strategy_fits_the_search_walks_to_a_plan_that_does(tmp_path):
+    """70B on 1024 H100s: no one (dp, tp, pp) fits every MFC (generation cannot pipeline and t8
+    alone leaves too little memory for the training state), yet mixing layouts does."""
+    setup = _setup("grpo-math", tmp_path, "batch_size=1024", "ppo.n_samples=8", "ppo.max_new_tokens=8192")
+    found = search(setup, parse_cluster("1024xh100"), _roles(setup, "llama3-70b"), LONG)
+    assert found.best_global is None and found.best.fits
+    gen, train = (found.best.plan.placements[m].layout.strategy for m in ("actor_gen", "actor_train"))
+    assert gen.pp == 1 and train.pp > 1  # the mix: a pipelined trainer, an unpipelined generator
+    assert found.best_training_strategy is None or found.best.step_s <= found.best_training_strategy.step_s
+
+
+def test_a_small_critic_gets_a_smaller_share_of_the_devices(tmp_path):
+    """ReaLHF's shape: a 32B actor and reference, a 7B critic. The best plan splits the devices
+    unequally, the critic's MFCs on the smaller share running beside the actor's."""
+    setup = _setup("ppo-math", tmp_path, "batch_size=1024", "ppo.kl_coef=0.05", "ppo.max_new_tokens=1024")
+    roles = {**_roles(setup, "qwen2.5-32b"), "critic": load_model_config("qwen2.5-7b")}
+    found = search(setup, parse_cluster("128xh100"), roles, Workload(gen_len_mean=512, gen_len_max=1024))
+    pl = found.best.plan.placements
+    actor_devs, critic_devs = len(set(pl["actor_train"].layout.workers)), len(set(pl["critic_train"].layout.workers))
+    assert critic_devs < actor_devs < 128 and not set(pl["actor_train"].layout.workers) & set(pl["critic_train"].layout.workers)
+    times = {m.name: m for m in found.best.mfcs}
+    assert times["critic_train"].start < times["actor_train"].end and times["actor_train"].start < times["critic_train"].end
+    assert found.best.step_s < found.best_training_strategy.step_s
+
+
 def test_a_model_that_fits_nowhere_says_how_much_memory_it_needs(tmp_path):
     setup = _setup("grpo-math", tmp_path, "batch_size=8")
     with pytest.raises(NoPlanFits, match=r"no allocation fits 2 x a100 \([\d.]+ GiB each\).*need at least [\d.]+ GiB"):
@@ -107,7 +132,13 @@ def test_plan_command_prints_ranked_plans_and_draws_the_timeline(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "best single global strategy:" in res.stdout and "rank" in res.stdout
+    assert "best training strategy (generation's pp folded into dp):" in res.stdout
     assert png.stat().st_size > 5000
+    role = subprocess.run([sys.executable, "-m", "realflow.apps.main", "plan", "model=qwen2.5-7b", "cluster=16xh100",
+                           "experiment=ppo-math", f"fileroot={tmp_path}", "models.critc=qwen2.5-1.5b"],
+                          capture_output=True, text=True, timeout=120)
+    assert role.returncode == 2 and "models.critc: the experiment has no role 'critc'" in role.stderr
+    assert "['actor', 'critic']" in role.stderr
     bad = subprocess.run([sys.executable, "-m", "realflow.apps.main", "plan", "model=qwen2.5-7b", "cluster=16xh100",
                           "experiment=grpo-math", "workload.gen_len=5"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "unknown workload key(s) ['gen_len']" in bad.stderr

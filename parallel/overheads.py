@@ -5,7 +5,11 @@ backward run ~100 framework ops each (norms, rotary, reshapes, sequence-parallel
 distributed optimizer's bookkeeping), and on small or CPU models that Python and dispatch time,
 not the GEMMs, sets the step time. A tiny model is timed at three depths and two token counts;
 least-squares lines through those points separate the cost per layer and token, per layer and
-micro-batch, and per call (loss, schedule, optimizer step).
+micro-batch, and per call (loss, schedule, optimizer step). Generation is timed the same way at
+two step counts and two numbers of live sequences: a decode step's cost per step, per layer, per
+live sequence (its sampling and bookkeeping) and per sequence and layer, and what a generate call
+costs around its steps. (A run decodes tens of sequences per rank; the per-sequence costs, not
+the GEMMs, set a small model's decode step.)
 
 Why on ``world`` concurrent processes: a run's workers share the host (cores, caches, memory
 bandwidth), so one process timed alone is a faster "device" than any worker of a run. Every
@@ -27,7 +31,7 @@ TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=
 DEPTHS = (2, 4, 6)
 TOKENS = (32, 512)  # per rank: the per-token cost of a layer is the slope between them
 SEQ = 16  # tokens per packed sequence
-DECODE_BATCH = 8
+DECODE_BATCHES = (8, 48)  # live sequences: per-sequence decode costs are the slope between them
 DECODE_STEPS = (2, 18)
 MEASURED_TP = 2
 
@@ -81,13 +85,13 @@ def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> di
     for n in TOKENS:  # each data-parallel rank its own batch
         ids = torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(n + groups.dp_rank))
         batches[n] = (ids, [SEQ] * (n // SEQ))
-    prompts = [batches[TOKENS[0]][0][:8].tolist()] * DECODE_BATCH
+    prompt = batches[TOKENS[0]][0][:8].tolist()
 
     def loss_for(t: Any):
         tg = torch.roll(t, -1)
         return lambda out, extra: (-out.logprobs(tg).sum(), {})
 
-    fwd, train, dec = {}, {}, {}
+    fwd, train, dec, call = {}, {}, {}, {}
     for depth in DEPTHS:
         eng = MegatronEngine(dict(TINY, num_hidden_layers=depth), groups, None,
                              EngineOptimizerConfig(lr=1e-5, total_train_steps=1000), seed=1)
@@ -95,21 +99,38 @@ def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> di
             fwd[depth, n] = _median_s(lambda: eng.logprobs(t, lens), repeats, sync)
             train[depth, n] = _median_s(lambda: eng.train_batch([(t, lens, None)], loss_for(t), lambda _: 1.0),
                                         repeats, sync)
-        gen = GenerationEngine.from_megatron(eng, EngineConfig(max_running_requests=DECODE_BATCH))
-        steps = {n: _median_s(lambda n=n: gen.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True)),
-                              max(repeats // 2, 2), sync) for n in DECODE_STEPS}
-        lo_n, hi_n = DECODE_STEPS
-        dec[depth] = (steps[hi_n] - steps[lo_n]) / (hi_n - lo_n)
+        gen = GenerationEngine.from_megatron(eng, EngineConfig(max_running_requests=max(DECODE_BATCHES)))
+        for b in DECODE_BATCHES:
+            steps = {n: _median_s(lambda n=n: gen.generate([prompt] * b, SamplingParams(max_new_tokens=n,
+                                                                                      ignore_eos=True)),
+                                  max(repeats // 2, 2), sync) for n in DECODE_STEPS}
+            lo_n, hi_n = DECODE_STEPS
+            dec[depth, b] = (steps[hi_n] - steps[lo_n]) / (hi_n - lo_n)  # one decode step
+            call[depth, b] = steps[lo_n] - lo_n * dec[depth, b]  # the call around its steps (and the prefill)
     out: dict[str, float] = {}
     for name, t in (("train", train), ("forward", fwd)):
         per_token, per_layer, fixed = fit_costs(t)
         out[f"layer_{name}_token_s"] = per_token
         out[f"layer_{name}_overhead_s"] = per_layer
         out["train_step_overhead_s" if name == "train" else "forward_overhead_s"] = fixed
-    fixed, per_layer = _line([float(d) for d in DEPTHS], [dec[d] for d in DEPTHS])
-    out["decode_layer_overhead_s"] = max(per_layer, 0.0)
-    out["decode_step_overhead_s"] = max(fixed, 0.0)
+    out.update(fit_decode(dec, call))
     return out
+
+
+def fit_decode(dec: dict[tuple[int, int], float], call: dict[tuple[int, int], float]) -> dict[str, float]:
+    """A decode step at depth d with b live sequences costs A + B*d + b*(C + D*d); a generate call
+    adds E + F*b around its steps. Lines through the measured (depth, batch) grid give A..F."""
+    lo_b, hi_b = DECODE_BATCHES
+    depths = [float(d) for d in DEPTHS]
+    per_seq = [(dec[d, hi_b] - dec[d, lo_b]) / (hi_b - lo_b) for d in DEPTHS]
+    base = [dec[d, lo_b] - lo_b * q for d, q in zip(DEPTHS, per_seq)]
+    a, b = _line(depths, base)
+    c, d = _line(depths, per_seq)
+    call_seq = statistics.mean((call[x, hi_b] - call[x, lo_b]) / (hi_b - lo_b) for x in DEPTHS)
+    call_fixed = statistics.mean(call[x, lo_b] for x in DEPTHS) - lo_b * call_seq
+    return {"decode_step_overhead_s": max(a, 0.0), "decode_layer_overhead_s": max(b, 0.0),
+            "decode_seq_s": max(c, 0.0), "decode_layer_seq_s": max(d, 0.0),
+            "generate_call_overhead_s": max(call_fixed, 0.0), "generate_seq_overhead_s": max(call_seq, 0.0)}
 
 
 def case_measure(ctx: Any, repeats: int = 5) -> dict[str, float]:

@@ -141,3 +141,18 @@ def test_bad_profile_names_and_files(tmp_path):
         load_profile(str(tmp_path / "y.json"))
     assert isinstance(profile_from_dict({k: v for k, v in asdict(load_profile("h100")).items()
                                          if k not in ("intra_node", "intra_node_p2p")}), DeviceProfile)
+
+
+def test_fit_decode_separates_per_step_per_layer_and_per_sequence_costs():
+    """Times made from known costs on the (depth, live sequences) grid the engine is measured on
+    come back as those costs: what a step, a layer, a sequence and a call each add."""
+    from parallel.overheads import DECODE_BATCHES, DECODE_STEPS, DEPTHS, fit_decode
+
+    a, b, c, d, e, f = 2e-4, 5e-5, 3e-5, 4e-6, 1e-2, 2e-4
+    dec = {(x, n): a + b * x + n * (c + d * x) for x in DEPTHS for n in DECODE_BATCHES}
+    call = {(x, n): e + f * n for x in DEPTHS for n in DECODE_BATCHES}
+    got = fit_decode(dec, call)
+    assert got["decode_step_overhead_s"] == pytest.approx(a) and got["decode_layer_overhead_s"] == pytest.approx(b)
+    assert got["decode_seq_s"] == pytest.approx(c) and got["decode_layer_seq_s"] == pytest.approx(d)
+    assert got["generate_call_overhead_s"] == pytest.approx(e) and got["generate_seq_overhead_s"] == pytest.approx(f)
+    assert len(DECODE_STEPS) == 2

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.experiment import ExperimentSetup
 from realflow.system.planner.cluster import ClusterSpec
-from realflow.system.planner.cost import ModelFacts, allreduce_s, p2p_s
+from realflow.system.planner.cost import ModelFacts, allreduce_s, measured_decode_compute_s, p2p_s
 from realflow.system.planner.search import NoPlanFits, SearchResult, search, short
 from realflow.system.planner.simulate import Workload
 
@@ -61,8 +61,11 @@ def server_tokens_per_s(facts: ModelFacts, tp: int, cluster: ClusterSpec, worklo
     conc = max(1, min(max_running, int(free // per_seq_kv)))
     kv = conc * ctx * facts.kv_bytes_per_token(dev.params_bytes) / tp
     flops = (facts.gemm_flops_fwd(conc) + facts.attn_flops_fwd(conc * ctx * 2)) / tp
-    step = max(flops / dev.matmul_flops, (weights + kv) / dev.memory_bandwidth)
-    step += facts.layers * dev.decode_layer_overhead_s + dev.decode_step_overhead_s
+    tp_measured = tp > 1 and tp == int(dev.measured_tp) and dev.tp_decode_layer_overhead_s > 0
+    step = max(flops / dev.matmul_flops, (weights + kv) / dev.memory_bandwidth,
+               measured_decode_compute_s(facts, dev, conc, facts.layers, tp, tp_measured))
+    per_layer = dev.tp_decode_layer_overhead_s if tp_measured else dev.decode_layer_overhead_s
+    step += facts.layers * per_layer + dev.decode_step_overhead_s + conc * dev.decode_seq_s
     step += facts.layers * 2 * allreduce_s(cluster.device.intra_node, tp, conc * facts.hidden * dev.params_bytes)
     prefill = 2.0 * facts.params * workload.prompt_len / dev.matmul_flops / tp  # per sequence
     per_token = step / conc + prefill / workload.gen_len_mean

@@ -207,16 +207,31 @@ def _generate(facts: ModelFacts, s: ParallelStrategy, work: Work, seqs_rank: flo
     weight_reads = facts.params * dev.params_bytes / s.tp
     kv_bytes = live * ctx * facts.kv_bytes_per_token(dev.params_bytes) / (s.tp * s.pp)
     flops = (facts.gemm_flops_fwd(live) + facts.attn_flops_fwd(live * ctx * 2)) / (s.tp * s.pp)
-    c.compute += steps * max(flops / dev.matmul_flops, (weight_reads + kv_bytes) / dev.memory_bandwidth)
     tp_measured = s.tp > 1 and s.tp == int(dev.measured_tp) and dev.tp_decode_layer_overhead_s > 0
+    c.compute += steps * max(flops / dev.matmul_flops, (weight_reads + kv_bytes) / dev.memory_bandwidth,
+                             measured_decode_compute_s(facts, dev, live, layers_stage, s.tp, tp_measured))
     per_layer = dev.tp_decode_layer_overhead_s if tp_measured else dev.decode_layer_overhead_s
     c.overhead += steps * (facts.layers * per_layer  # every stage, once per micro-batch
-                           + dev.decode_step_overhead_s)
+                           + dev.decode_step_overhead_s + live * dev.decode_seq_s)
+    c.overhead += dev.generate_call_overhead_s + seqs_rank * dev.generate_seq_overhead_s
     act = live * facts.hidden * dev.params_bytes
     if not tp_measured:  # a measured tp layer includes its collectives
         c.tp_comm += steps * layers_stage * 2 * allreduce_s(tp_link, s.tp, act)
     c.pp_comm += steps * (s.pp - 1) * p2p_s(pp_link, act)
     return c
+
+
+def measured_decode_compute_s(facts: ModelFacts, dev: Any, live: float, layers: int, tp: int,
+                              tp_measured: bool) -> float:
+    """One decode step's per-sequence layer work as the engine measured it (``decode_layer_seq_s``
+    at the reference layer, scaled by the layer's size, split by tp unless measured at it) plus
+    the LM head's GEMM; 0 without a measurement (the roofline alone prices the step)."""
+    per_seq = dev.tp_decode_layer_seq_s if tp_measured else dev.decode_layer_seq_s
+    if per_seq <= 0 or dev.layer_reference_params <= 0:
+        return 0.0
+    shard = 1 if tp_measured else tp
+    layers_s = live * layers * per_seq * facts.layer_params / dev.layer_reference_params / shard
+    return layers_s + 2.0 * facts.vocab * facts.hidden * live / tp / dev.matmul_flops
 
 
 def _forward(c: Cost, facts: ModelFacts, s: ParallelStrategy, tokens: float, sum_sq: float, layers_stage: int,

@@ -62,6 +62,10 @@ class DeviceProfile:
     train_step_overhead_s: float = 0.0  # per optimizer step (loss, schedule, optimizer)
     forward_overhead_s: float = 0.0  # per forward call
     decode_step_overhead_s: float = 0.0  # per decode step beyond its layers (sampling, scheduling)
+    decode_seq_s: float = 0.0  # per live sequence and decode step beyond its layers (its sampling, stop checks)
+    decode_layer_seq_s: float = 0.0  # per live sequence, layer and decode step, at the reference layer
+    generate_call_overhead_s: float = 0.0  # per generate call (scheduler, cache set-up, outputs)
+    generate_seq_overhead_s: float = 0.0  # per sequence of a generate call (its request and output)
     layer_train_token_s: float = 0.0  # per layer and token, forward + backward, at the reference layer
     layer_forward_token_s: float = 0.0  # per layer and token, forward, at the reference layer
     layer_reference_params: float = 0.0  # parameters of that reference layer (costs scale with them)
@@ -73,6 +77,7 @@ class DeviceProfile:
     tp_layer_train_token_s: float = 0.0
     tp_layer_forward_token_s: float = 0.0
     tp_decode_layer_overhead_s: float = 0.0
+    tp_decode_layer_seq_s: float = 0.0
 
     def engine_costs(self, tp: int, train: bool) -> tuple[float, float]:
         """(per layer and token at the reference layer, per layer and micro-batch) measured for a
@@ -118,7 +123,8 @@ LINK_FIELDS = ("intra_node", "intra_node_all_gather", "intra_node_p2p")
 FRAMEWORK_FIELDS = ("layer_train_overhead_s", "layer_forward_overhead_s", "train_step_overhead_s", "forward_overhead_s",
                     "decode_step_overhead_s", "layer_train_token_s", "layer_forward_token_s", "layer_reference_params",
                     "measured_tp", "tp_layer_train_overhead_s", "tp_layer_forward_overhead_s", "tp_layer_train_token_s",
-                    "tp_layer_forward_token_s", "tp_decode_layer_overhead_s")
+                    "tp_layer_forward_token_s", "tp_decode_layer_overhead_s", "decode_seq_s", "decode_layer_seq_s",
+                    "generate_call_overhead_s", "generate_seq_overhead_s", "tp_decode_layer_seq_s")
 
 
 def profile_from_dict(d: dict[str, Any], where: str = "profile") -> DeviceProfile:

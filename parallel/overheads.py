@@ -103,7 +103,7 @@ def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> di
         for b in DECODE_BATCHES:
             steps = {n: _median_s(lambda n=n: gen.generate([prompt] * b, SamplingParams(max_new_tokens=n,
                                                                                       ignore_eos=True)),
-                                  max(repeats // 2, 2), sync) for n in DECODE_STEPS}
+                                  repeats, sync) for n in DECODE_STEPS}
             lo_n, hi_n = DECODE_STEPS
             dec[depth, b] = (steps[hi_n] - steps[lo_n]) / (hi_n - lo_n)  # one decode step
             call[depth, b] = steps[lo_n] - lo_n * dec[depth, b]  # the call around its steps (and the prefill)

@@ -29,7 +29,8 @@ TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=
             num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=1024,
             hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)
 DEPTHS = (2, 4, 6)
-TOKENS = (32, 512)  # per rank: the per-token cost of a layer is the slope between them
+TOKENS = (32, 512, 2048)  # per rank: the per-token cost of a layer is the slope through them (to 2048:
+# a run's micro-batches hold ~1-2k tokens, and a slope fitted below them extrapolates the noise)
 SEQ = 16  # tokens per packed sequence
 DECODE_BATCHES = (8, 48)  # live sequences: per-sequence decode costs are the slope between them
 DECODE_STEPS = (2, 18)
@@ -63,12 +64,14 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def fit_costs(t: dict[tuple[int, int], float]) -> tuple[float, float, float]:
     """(per layer and token, per layer and micro-batch, per call) from times at DEPTHS x TOKENS."""
-    lo, hi = TOKENS
     fixed, per_layer = {}, {}
     for n in TOKENS:
         fixed[n], per_layer[n] = _line([float(d) for d in DEPTHS], [t[d, n] for d in DEPTHS])
-    per_token = max((per_layer[hi] - per_layer[lo]) / (hi - lo), 0.0)
-    return per_token, max(per_layer[lo] - per_token * lo, 0.0), max(fixed[lo], 0.0)
+    layer_fixed, per_token = _line([float(n) for n in TOKENS], [per_layer[n] for n in TOKENS])
+    if per_token < 0:  # noise: no growth with tokens to resolve
+        per_token, layer_fixed = 0.0, statistics.mean(per_layer.values())
+    call_fixed, _ = _line([float(n) for n in TOKENS], [fixed[n] for n in TOKENS])  # its per-token part: the LM
+    return per_token, max(layer_fixed, 0.0), max(call_fixed, 0.0)  # head and loss, which the cost model prices
 
 
 def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> dict[str, float]:
@@ -145,7 +148,8 @@ def case_measure(ctx: Any, repeats: int = 5) -> dict[str, float]:
     sync = dist.barrier
     out = _measure_layout(ParallelStrategy(dp=ctx.world_size), repeats, sync)
     if ctx.world_size % MEASURED_TP == 0:
-        tp = _measure_layout(ParallelStrategy(dp=ctx.world_size // MEASURED_TP, tp=MEASURED_TP), repeats, sync)
+        # twice the repeats: gloo collectives between processes that share cores make these the noisiest
+        tp = _measure_layout(ParallelStrategy(dp=ctx.world_size // MEASURED_TP, tp=MEASURED_TP), 2 * repeats - 1, sync)
         out.update({f"tp_{k}": v for k, v in tp.items() if k.startswith(("layer_", "decode_layer"))})
         out["measured_tp"] = float(MEASURED_TP)
     out["layer_reference_params"] = float(_layer_params(TINY))

@@ -32,7 +32,7 @@ DEPTHS = (2, 4, 6)
 TOKENS = (32, 512, 2048)  # per rank: the per-token cost of a layer is the slope through them (to 2048:
 # a run's micro-batches hold ~1-2k tokens, and a slope fitted below them extrapolates the noise)
 SEQ = 16  # tokens per packed sequence
-DECODE_BATCHES = (8, 48)  # live sequences: per-sequence decode costs are the slope between them
+DECODE_BATCHES = (8, 64)  # live sequences: per-sequence decode costs are the slope between them
 DECODE_STEPS = (2, 18)
 MEASURED_TP = 2
 

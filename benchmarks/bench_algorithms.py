@@ -125,7 +125,7 @@ def _row(preset: str, stdout: str, run_dir: str) -> dict:
             "curve": [r["actor_train/reward"] for r in steps]}
 
 
-def _plot(table: list[dict], path: str) -> None:
+def _plot(table: list[dict], path: str, app: str = "sync") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,7 +139,7 @@ def _plot(table: list[dict], path: str) -> None:
         ax.plot(range(1, len(c) + 1), smooth, label=f"{r['preset']} ({r['gain']:+.2f} pass@1)")
     ax.set_xlabel("step")
     ax.set_ylabel(f"training reward (moving mean of {max(len(table[0]['curve']) // 10, 1)})")
-    ax.set_title("the PPO family on worked_arithmetic, same start, seed and budget")
+    ax.set_title(f"the PPO family on worked_arithmetic ({app}), same start, seed and budget")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -187,7 +187,7 @@ def main() -> int:
         short = [r["preset"] for r in table if r["gain"] < grpo["gain"]]
         print(f"\nGRPO's gain on this budget: {grpo['gain']:+.3f}; below it: {', '.join(short) or 'none'}")
     png = os.path.join(root, "algorithms.png" if args.app == "sync" else "algorithms-async.png")
-    _plot(table, png)
+    _plot(table, png, args.app)
     print(f"reward curves: {png}")
     return 0
 

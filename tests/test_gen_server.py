@@ -380,14 +380,17 @@ def test_limits_name_the_field_and_a_full_queue_answers_429_with_retry_after(mod
         resp = requests.post(url + "/generate", json=body, timeout=30)
         assert resp.status_code == status and msg in resp.json()["error"], (body, resp.status_code, resp.text)
 
-    # fill the queue: 4 x (1 + 60) tokens of 300, then one more request must wait for room
+    # fill the queue: 4 x (1 + 60) tokens of 300, then one more request must wait for room. The
+    # server is paused (retract: requests queue) so that none of the four can finish first on a
+    # busy machine and make room before the fifth arrives
     long = {"max_new_tokens": 60, **GREEDY}
     with GenerationClient(url, timeout=30, generate_timeout=120) as c:
+        c.pause_generation("retract")
         results: list = []
         threads = [threading.Thread(target=lambda: results.append(c.generate([1], long))) for _ in range(4)]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while c.metrics()["realflow_gen_queued_tokens"] < 4 * 61 and time.monotonic() < deadline:
             time.sleep(0.02)
         resp = requests.post(url + "/generate", json={"input_ids": [2], "sampling_params": long}, timeout=30)
@@ -397,7 +400,14 @@ def test_limits_name_the_field_and_a_full_queue_answers_429_with_retry_after(mod
         assert requests.get(url + "/health", timeout=5).json()["status"] == "ok"
         assert time.monotonic() - t0 < 1.0
         # the client waits out the 429s and gets its answer once there is room
-        assert len(c.generate([2], long)["output_ids"]) == 60
+        late: list = []
+        waiter = threading.Thread(target=lambda: late.append(c.generate([2], long)))
+        waiter.start()
+        while c.metrics()["realflow_gen_overloaded_total"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        c.continue_generation()
+        waiter.join(120)
+        assert len(late) == 1 and len(late[0]["output_ids"]) == 60
         for t in threads:
             t.join(60)
         assert len(results) == 4

@@ -101,7 +101,10 @@ def _operator(url: str, models: dict, known_versions: set[int], stop_after: floa
     rounds = 0
     with GenerationClient(url, timeout=60) as c:
         while rounds < ROUNDS:
-            time.sleep(stop_after / ROUNDS)
+            # pause while requests run (on a busy machine the load may start late or end early)
+            busy_by = time.monotonic() + 5
+            while c.metrics().get("realflow_gen_running_requests", 0) == 0 and time.monotonic() < busy_by:
+                time.sleep(0.01)
             c.pause_generation("abort" if rounds % 2 == 0 else "retract")
             version = 100 + rounds
             known_versions.add(version)
@@ -112,6 +115,7 @@ def _operator(url: str, models: dict, known_versions: set[int], stop_after: floa
                 c.update_weights_from_disk(path, weight_version=version)
             c.continue_generation()
             rounds += 1
+            time.sleep(stop_after / ROUNDS)
     return rounds
 
 
@@ -133,7 +137,7 @@ def test_soak_1000_concurrent_requests_through_pause_update_continue(two_tiny_qw
             operator = asyncio.create_task(asyncio.to_thread(_operator, url, two_tiny_qwen2, known_versions, 12.0))
             requests = [_one_request(session, url, rng, i, known_versions, stats) for i in range(N_REQUESTS)]
             await asyncio.wait_for(asyncio.gather(*requests), REQUEST_TIMEOUT_S + 10)
-            return await asyncio.wait_for(operator, 60)
+            return await asyncio.wait_for(operator, 120)  # rounds pause live requests: a slow machine stretches them
 
     t0 = time.monotonic()
     try:

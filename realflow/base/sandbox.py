@@ -276,10 +276,13 @@ def _why(rc: int, stderr: str, limits: SandboxLimits) -> str:
         if sig == signal.SIGXFSZ:
             return f"file size limit ({limits.file_size_mb} MB)"
         return f"killed by {name}" + (f": {tail}" if tail else "")
-    if "File too large" in tail:  # Python ignores SIGXFSZ: the write fails with EFBIG instead
+    # the last lines, not only the last one: a program's children (a fork bomb's) interleave
+    # their tracebacks, so the line naming the error is often not the final line
+    recent = "\n".join(stderr.strip().splitlines()[-20:])
+    if "File too large" in recent:  # Python ignores SIGXFSZ: the write fails with EFBIG instead
         return f"file size limit ({limits.file_size_mb} MB): {tail}"
-    if "MemoryError" in tail:
+    if "MemoryError" in recent:
         return f"memory limit ({limits.memory_mb} MB): {tail}"
-    if "BlockingIOError" in tail or "Resource temporarily unavailable" in tail:
+    if "BlockingIOError" in recent or "Resource temporarily unavailable" in recent:
         return f"process limit ({limits.processes}): {tail}"
     return f"exit code {rc}" + (f": {tail[:300]}" if tail else "")

@@ -1,8 +1,8 @@
 """Search over allocations: one strategy for every MFC, then a strategy and a mesh per MFC.
 
-A mesh is every device, either half or any quarter of them (disjoint meshes let independent
-MFCs, such as the critic's and the actor's training or the reference's and the critic's
-inference, run at the same time; the simulator's clock sees it).
+A mesh is every device, or a block of 1/2, 1/4, 3/4, 1/8 or 7/8 of them at the front or the back
+(:func:`meshes`): two complementary blocks let independent MFCs, such as the critic's and the
+actor's training, run at the same time on unequal shares (the simulator's clock sees it).
 
 Two baselines are reported beside the best plan. The *best single global strategy* gives every
 MFC one (dp, tp, pp) on every device; generation never pipelines, so with a generate MFC it has

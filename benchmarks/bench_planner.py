@@ -1,14 +1,20 @@
 """The planner's predictions against measured steps on this machine (issue 19's validation).
 
-    python benchmarks/bench_planner.py [--steps 10] [--root DIR]
+    python benchmarks/bench_planner.py [--steps 30] [--root DIR]
 
 First ``realflow calibrate`` measures this machine (the profile every prediction uses);
 then SFT and synchronous GRPO run for a few steps under 8 allocations on the 2 default
 workers (data, tensor and pipeline parallel, and per-MFC mixes with parameter
-reallocation), and each measured step time (median after 2 warm-up steps) is printed beside
+reallocation), and each measured step time (median after 3 warm-up steps) is printed beside
 the simulator's prediction for the same experiment, allocation and sequence lengths (the
-lengths measured in the run: the planner is told the workload, not the timing). Goal: every
-prediction within 20%.
+lengths measured in the run: the planner is told the workload, not the timing), then each
+MFC's measured and predicted time, to show which part of a step an error comes from. Goal:
+every prediction within 20%.
+
+Why 30 steps: a step here is 50-600 ms and this shared 2-core host moves single steps by up to
++-30% (a tensor-parallel decode waits on the other process at every layer); the median of 27
+steps moves a few percent between runs, the median of 8 moved 5-20%. The extra steps cost ~1 s
+per run against ~15 s to start one.
 """
 from __future__ import annotations
 
@@ -27,12 +33,18 @@ from benchmarks._realflow_steps import REPO, run_job  # noqa: E402
 ARCH = ["model.arch.num_hidden_layers=4"]  # 4 layers: p2 splits them evenly
 SFT_RUNS = ["d2", "d1t2", "d1p2"]
 GRPO_RUNS = ["d2", "d1t2", "actor_train:d1p2,*:d2", "actor_train:d1t2,*:d2", "actor_gen:d1t2,*:d2"]
-WARMUP = 2
+WARMUP = 3
 GOAL = 0.20
 
 
 def _median_step(rows: list[dict]) -> float:
     return statistics.median(r["time/step"] for r in rows[WARMUP:])
+
+
+def _mfc_times(rows: list[dict]) -> dict[str, float]:
+    """Median seconds of each MFC the master timed (``time/<mfc>``, its hooks included)."""
+    names = [k[len("time/"):] for k in rows[0] if k.startswith("time/") and k not in ("time/step", "time/fetch")]
+    return {n: statistics.median(r[f"time/{n}"] for r in rows[WARMUP:]) for n in names}
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -57,7 +69,7 @@ def predict(experiment: str, overrides: list[str], allocation: str, profile: str
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--root", default="")
     args = ap.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="bench_planner-")
@@ -76,7 +88,7 @@ def main() -> int:
         tokens = _mean(rows, "sft_train/n_tokens")
         wl = {"seq_len": tokens / 64}
         pred = predict("sft", [*sft_common, f"trial_name={trial}"], alloc, profile, start, wl)
-        table.append(("sft", alloc, _median_step(rows), pred))
+        table.append(("sft", alloc, _median_step(rows), pred, _mfc_times(rows)))
     grpo_common = [f"model.path={start}", "batch_size=32", "ppo.n_samples=4", "dataset.n_test=16", "eval_n_samples=1"]
     for alloc in GRPO_RUNS:
         trial = "grpo-" + alloc.replace(":", "_").replace(",", "_").replace("*", "all")
@@ -86,16 +98,22 @@ def main() -> int:
               "gen_len_max": _mean(rows, "actor_train/response_len_max")}
         pred = predict("grpo-math", [f"fileroot={root}", *grpo_common, f"trial_name={trial}"], alloc, profile,
                        start, wl)
-        table.append(("grpo", alloc, _median_step(rows), pred))
+        table.append(("grpo", alloc, _median_step(rows), pred, _mfc_times(rows)))
     print(f"\n{'run':<6}{'allocation':<26}{'measured s':>11}{'predicted s':>12}{'error':>8}")
     worst = 0.0
-    for exp, alloc, measured, pred in table:
+    for exp, alloc, measured, pred, _ in table:
         err = (pred.step_s - measured) / measured
         worst = max(worst, abs(err))
         print(f"{exp:<6}{alloc:<26}{measured:>11.4f}{pred.step_s:>12.4f}{err:>+8.0%}")
     print(f"\nworst error {worst:.0%} (goal: every prediction within {GOAL:.0%}): "
           f"{'met' if worst <= GOAL else 'NOT met'}")
-    for exp, alloc, measured, pred in table:
+    print("\nper MFC (median ms measured / predicted; an MFC without a model is not priced):")
+    for exp, alloc, measured, pred, mfcs in table:
+        predicted = {m.name: (m.end - m.start) for m in pred.mfcs}
+        parts = [f"{n} {t * 1e3:.1f}/{predicted[n] * 1e3:.1f}" if n in predicted else f"{n} {t * 1e3:.1f}/-"
+                 for n, t in mfcs.items()]
+        print(f"  {exp:<5} {alloc:<26} " + ", ".join(parts))
+    for exp, alloc, measured, pred, _ in table:
         print(f"\n{exp} {alloc}: measured {measured:.4f} s\n{pred.describe()}")
     return 0
 

@@ -37,15 +37,23 @@ DECODE_STEPS = (2, 18)
 MEASURED_TP = 2
 
 
-def _median_s(fn: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
-    fn()  # warm up
-    times = []
+def _grid_median_s(fns: dict[Any, Callable[[], Any]], repeats: int, sync: Callable[[], None]) -> dict[Any, float]:
+    """Median seconds of each function, timed in ``repeats`` round-robin rounds over all of them.
+
+    Why round-robin: this host's speed drifts over tens of seconds (other processes, the kernel's
+    memory scanning), and timing one grid point after another would turn that drift into a
+    false slope across depths or token counts; interleaved, every point sees the same drift.
+    """
+    for fn in fns.values():
+        fn()  # warm up
+    times: dict[Any, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
-        sync()  # every rank starts together: the same contention as a run's step
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for k, fn in fns.items():
+            sync()  # every rank starts together: the same contention as a run's step
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _layer_params(cfg: dict[str, Any]) -> int:
@@ -94,22 +102,29 @@ def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> di
         tg = torch.roll(t, -1)
         return lambda out, extra: (-out.logprobs(tg).sum(), {})
 
-    fwd, train, dec, call = {}, {}, {}, {}
+    fns: dict[tuple, Callable[[], Any]] = {}
     for depth in DEPTHS:
         eng = MegatronEngine(dict(TINY, num_hidden_layers=depth), groups, None,
                              EngineOptimizerConfig(lr=1e-5, total_train_steps=1000), seed=1)
         for n, (t, lens) in batches.items():
-            fwd[depth, n] = _median_s(lambda: eng.logprobs(t, lens), repeats, sync)
-            train[depth, n] = _median_s(lambda: eng.train_batch([(t, lens, None)], loss_for(t), lambda _: 1.0),
-                                        repeats, sync)
+            fns["fwd", depth, n] = lambda eng=eng, t=t, lens=lens: eng.logprobs(t, lens)
+            fns["train", depth, n] = lambda eng=eng, t=t, lens=lens: eng.train_batch(
+                [(t, lens, None)], loss_for(t), lambda _: 1.0)
         gen = GenerationEngine.from_megatron(eng, EngineConfig(max_running_requests=max(DECODE_BATCHES)))
         for b in DECODE_BATCHES:
-            steps = {n: _median_s(lambda n=n: gen.generate([prompt] * b, SamplingParams(max_new_tokens=n,
-                                                                                      ignore_eos=True)),
-                                  repeats, sync) for n in DECODE_STEPS}
-            lo_n, hi_n = DECODE_STEPS
-            dec[depth, b] = (steps[hi_n] - steps[lo_n]) / (hi_n - lo_n)  # one decode step
-            call[depth, b] = steps[lo_n] - lo_n * dec[depth, b]  # the call around its steps (and the prefill)
+            for n in DECODE_STEPS:
+                fns["gen", depth, b, n] = lambda gen=gen, b=b, n=n: gen.generate(
+                    [prompt] * b, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    times = _grid_median_s(fns, repeats, sync)
+    fwd = {(d, n): times["fwd", d, n] for d in DEPTHS for n in TOKENS}
+    train = {(d, n): times["train", d, n] for d in DEPTHS for n in TOKENS}
+    dec, call = {}, {}
+    lo_n, hi_n = DECODE_STEPS
+    for depth in DEPTHS:
+        for b in DECODE_BATCHES:
+            lo, hi = times["gen", depth, b, lo_n], times["gen", depth, b, hi_n]
+            dec[depth, b] = (hi - lo) / (hi_n - lo_n)  # one decode step
+            call[depth, b] = lo - lo_n * dec[depth, b]  # the call around its steps (and the prefill)
     out: dict[str, float] = {}
     for name, t in (("train", train), ("forward", fwd)):
         per_token, per_layer, fixed = fit_costs(t)

@@ -1,20 +1,22 @@
 """The planner's predictions against measured steps on this machine (issue 19's validation).
 
-    python benchmarks/bench_planner.py [--steps 30] [--root DIR]
+    python benchmarks/bench_planner.py [--steps 30] [--passes 2] [--root DIR]
 
 First ``realflow calibrate`` measures this machine (the profile every prediction uses);
 then SFT and synchronous GRPO run for a few steps under 8 allocations on the 2 default
 workers (data, tensor and pipeline parallel, and per-MFC mixes with parameter
-reallocation), and each measured step time (median after 3 warm-up steps) is printed beside
-the simulator's prediction for the same experiment, allocation and sequence lengths (the
-lengths measured in the run: the planner is told the workload, not the timing), then each
-MFC's measured and predicted time, to show which part of a step an error comes from. Goal:
-every prediction within 20%.
+reallocation), and each measured step time is printed beside the simulator's prediction for
+the same experiment, allocation and sequence lengths (the lengths measured in the run: the
+planner is told the workload, not the timing), then each MFC's measured and predicted time, to
+show which part of a step an error comes from. Goal: every prediction within 20%.
 
-Why 30 steps: a step here is 50-600 ms and this shared 2-core host moves single steps by up to
-+-30% (a tensor-parallel decode waits on the other process at every layer); the median of 27
-steps moves a few percent between runs, the median of 8 moved 5-20%. The extra steps cost ~1 s
-per run against ~15 s to start one.
+What "measured" is: every allocation runs ``--passes`` times (2), in whole passes over all of
+them, for 30 steps each; a run's step is its median after 3 warm-up steps, and the measured
+step is the mean over the runs. Why: a step here is 50-600 ms and this shared 2-core host moves
+single steps by up to +-30% (a tensor-parallel decode waits on the other process at every
+layer), so the median of 27 steps is steady within a run; but two identical runs started
+minutes apart differ by 10-15% as a whole (seen: GRPO d2 192 vs 170 ms, same lengths), so one
+run per allocation leaves the verdict to chance.
 """
 from __future__ import annotations
 
@@ -47,8 +49,9 @@ def _mfc_times(rows: list[dict]) -> dict[str, float]:
     return {n: statistics.median(r[f"time/{n}"] for r in rows[WARMUP:]) for n in names}
 
 
-def _mean(rows: list[dict], key: str) -> float:
-    return statistics.mean(r[key] for r in rows[WARMUP:])
+def _trial(exp: str, alloc: str, p: int) -> str:
+    name = f"{exp}-" + alloc.replace(":", "_").replace(",", "_").replace("*", "all")
+    return name + (f"-pass{p + 1}" if p else "")
 
 
 def predict(experiment: str, overrides: list[str], allocation: str, profile: str, model_dir: str,
@@ -70,6 +73,7 @@ def predict(experiment: str, overrides: list[str], allocation: str, profile: str
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--passes", type=int, default=2, help="runs of every allocation (whole passes, interleaved)")
     ap.add_argument("--root", default="")
     args = ap.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="bench_planner-")
@@ -79,41 +83,47 @@ def main() -> int:
     if res.returncode != 0:
         sys.exit(f"calibration failed:\n{res.stderr[-3000:]}")
     print(f"profile: {profile}")
-    table = []
-    sft_common = [f"fileroot={root}", *ARCH, "batch_size=64"]
-    start = os.path.join(root, "sft", "sft-d2", "checkpoints", "default", "final")
-    for alloc in SFT_RUNS:
-        trial = "sft-" + alloc.replace(":", "_").replace(",", "_").replace("*", "all")
-        rows = run_job("sft", root, trial, args.steps, [*ARCH, "batch_size=64", f"allocation={alloc}"])
-        tokens = _mean(rows, "sft_train/n_tokens")
-        wl = {"seq_len": tokens / 64}
-        pred = predict("sft", [*sft_common, f"trial_name={trial}"], alloc, profile, start, wl)
-        table.append(("sft", alloc, _median_step(rows), pred, _mfc_times(rows)))
+    start = os.path.join(root, "sft", "sft-d2", "checkpoints", "default", "final")  # pass 1's sft d2
     grpo_common = [f"model.path={start}", "batch_size=32", "ppo.n_samples=4", "dataset.n_test=16", "eval_n_samples=1"]
-    for alloc in GRPO_RUNS:
-        trial = "grpo-" + alloc.replace(":", "_").replace(",", "_").replace("*", "all")
-        rows = run_job("grpo-math", root, trial, args.steps, [*grpo_common, f"allocation={alloc}"])
-        wl = {"prompt_len": _mean(rows, "actor_train/prompt_len"),
-              "gen_len_mean": _mean(rows, "actor_train/response_len"),
-              "gen_len_max": _mean(rows, "actor_train/response_len_max")}
-        pred = predict("grpo-math", [f"fileroot={root}", *grpo_common, f"trial_name={trial}"], alloc, profile,
-                       start, wl)
-        table.append(("grpo", alloc, _median_step(rows), pred, _mfc_times(rows)))
+    runs = [("sft", a, [*ARCH, "batch_size=64"]) for a in SFT_RUNS] + [("grpo", a, grpo_common) for a in GRPO_RUNS]
+    passes: dict[tuple[str, str], list[list[dict]]] = {(e, a): [] for e, a, _ in runs}
+    for p in range(args.passes):  # whole passes, so a slow minute of the host touches every allocation alike
+        for exp, alloc, common in runs:
+            experiment = "sft" if exp == "sft" else "grpo-math"
+            rows = run_job(experiment, root, _trial(exp, alloc, p), args.steps, [*common, f"allocation={alloc}"])
+            passes[exp, alloc].append(rows)
+    table = []
+    for exp, alloc, common in runs:
+        runs_rows = passes[exp, alloc]
+        rows = [r for rr in runs_rows for r in rr[WARMUP:]]
+        if exp == "sft":
+            wl = {"seq_len": statistics.mean(r["sft_train/n_tokens"] for r in rows) / 64}
+        else:
+            wl = {"prompt_len": statistics.mean(r["actor_train/prompt_len"] for r in rows),
+                  "gen_len_mean": statistics.mean(r["actor_train/response_len"] for r in rows),
+                  "gen_len_max": statistics.mean(r["actor_train/response_len_max"] for r in rows)}
+        pred = predict("sft" if exp == "sft" else "grpo-math",
+                       [f"fileroot={root}", *common, f"trial_name={_trial(exp, alloc, 0)}"], alloc, profile, start, wl)
+        medians = [_median_step(rr) for rr in runs_rows]
+        per_mfc = [_mfc_times(rr) for rr in runs_rows]
+        mfcs = {n: statistics.mean(m[n] for m in per_mfc) for n in per_mfc[0]}
+        table.append((exp, alloc, statistics.mean(medians), pred, mfcs, medians))
     print(f"\n{'run':<6}{'allocation':<26}{'measured s':>11}{'predicted s':>12}{'error':>8}")
     worst = 0.0
-    for exp, alloc, measured, pred, _ in table:
+    for exp, alloc, measured, pred, _, medians in table:
         err = (pred.step_s - measured) / measured
         worst = max(worst, abs(err))
-        print(f"{exp:<6}{alloc:<26}{measured:>11.4f}{pred.step_s:>12.4f}{err:>+8.0%}")
+        spread = " / ".join(f"{m:.4f}" for m in medians)
+        print(f"{exp:<6}{alloc:<26}{measured:>11.4f}{pred.step_s:>12.4f}{err:>+8.0%}   passes: {spread}")
     print(f"\nworst error {worst:.0%} (goal: every prediction within {GOAL:.0%}): "
           f"{'met' if worst <= GOAL else 'NOT met'}")
     print("\nper MFC (median ms measured / predicted; an MFC without a model is not priced):")
-    for exp, alloc, measured, pred, mfcs in table:
+    for exp, alloc, measured, pred, mfcs, _ in table:
         predicted = {m.name: (m.end - m.start) for m in pred.mfcs}
         parts = [f"{n} {t * 1e3:.1f}/{predicted[n] * 1e3:.1f}" if n in predicted else f"{n} {t * 1e3:.1f}/-"
                  for n, t in mfcs.items()]
         print(f"  {exp:<5} {alloc:<26} " + ", ".join(parts))
-    for exp, alloc, measured, pred, _ in table:
+    for exp, alloc, measured, pred, *_ in table:
         print(f"\n{exp} {alloc}: measured {measured:.4f} s\n{pred.describe()}")
     return 0
 

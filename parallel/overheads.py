@@ -63,10 +63,16 @@ def _layer_params(cfg: dict[str, Any]) -> int:
         + 3 * f * h
 
 
-def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope)."""
-    mx, my = statistics.mean(xs), statistics.mean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+def _line(xs: list[float], ys: list[float], relative: bool = False) -> tuple[float, float]:
+    """Least-squares (intercept, slope). ``relative``: each point weighted by 1/y^2, i.e. relative
+    errors are minimised -- timings over 32..2048 tokens carry noise in proportion to their size,
+    and unweighted, the 2048-token point's few-percent noise swings the intercept (the per
+    micro-batch cost) by more than the 32-token point measures it to."""
+    w = [1.0 / max(y * y, 1e-30) for y in ys] if relative else [1.0] * len(ys)
+    sw = sum(w)
+    mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+    my = sum(wi * y for wi, y in zip(w, ys)) / sw
+    slope = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys)) / sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
     return my - slope * mx, slope
 
 
@@ -75,10 +81,12 @@ def fit_costs(t: dict[tuple[int, int], float]) -> tuple[float, float, float]:
     fixed, per_layer = {}, {}
     for n in TOKENS:
         fixed[n], per_layer[n] = _line([float(d) for d in DEPTHS], [t[d, n] for d in DEPTHS])
-    layer_fixed, per_token = _line([float(n) for n in TOKENS], [per_layer[n] for n in TOKENS])
+    layer_fixed, per_token = _line([float(n) for n in TOKENS], [per_layer[n] for n in TOKENS],
+                                   relative=min(per_layer.values()) > 0)
     if per_token < 0:  # noise: no growth with tokens to resolve
         per_token, layer_fixed = 0.0, statistics.mean(per_layer.values())
-    call_fixed, _ = _line([float(n) for n in TOKENS], [fixed[n] for n in TOKENS])  # its per-token part: the LM
+    call_fixed, _ = _line([float(n) for n in TOKENS], [fixed[n] for n in TOKENS],
+                          relative=min(fixed.values()) > 0)  # its per-token part: the LM
     return per_token, max(layer_fixed, 0.0), max(call_fixed, 0.0)  # head and loss, which the cost model prices
 
 
@@ -151,7 +159,7 @@ def fit_decode(dec: dict[tuple[int, int], float], call: dict[tuple[int, int], fl
             "generate_call_overhead_s": max(call_fixed, 0.0), "generate_seq_overhead_s": max(call_seq, 0.0)}
 
 
-def case_measure(ctx: Any, repeats: int = 5) -> dict[str, float]:
+def case_measure(ctx: Any, repeats: int = 7) -> dict[str, float]:
     """Run on every rank of a gloo group (:func:`parallel.testing.run_cases`): the data-parallel
     costs, then (even world) the tensor-parallel ones as ``tp_*``."""
     import torch

@@ -156,3 +156,17 @@ def test_fit_decode_separates_per_step_per_layer_and_per_sequence_costs():
     assert got["decode_seq_s"] == pytest.approx(c) and got["decode_layer_seq_s"] == pytest.approx(d)
     assert got["generate_call_overhead_s"] == pytest.approx(e) and got["generate_seq_overhead_s"] == pytest.approx(f)
     assert len(DECODE_STEPS) == 2
+
+
+def test_fit_costs_recovers_known_costs_and_resists_noise_at_the_largest_batch():
+    """A layer costing 2 ms per micro-batch + 18 us per token, 5 ms per call: recovered exactly;
+    with the 2048-token times 5% high (this host's noise is in proportion to a timing), the
+    relative-error fit keeps the per micro-batch cost within 2%."""
+    from parallel.overheads import DEPTHS, TOKENS, fit_costs
+
+    exact = {(d, n): 5e-3 + d * (2e-3 + n * 1.8e-5) for d in DEPTHS for n in TOKENS}
+    assert fit_costs(exact) == pytest.approx((1.8e-5, 2e-3, 5e-3), rel=1e-9)
+    noisy = {(d, n): t * (1.05 if n == max(TOKENS) else 1.0) for (d, n), t in exact.items()}
+    per_token, per_layer, _ = fit_costs(noisy)
+    assert per_layer == pytest.approx(2e-3, rel=0.02)
+    assert per_token == pytest.approx(1.8e-5, rel=0.05)

@@ -108,3 +108,32 @@ def test_without_bubblewrap_it_fails_closed_unless_told_otherwise(monkeypatch):
         assert r.ok and not r.sandboxed and r.stdout.strip() == "1"
     finally:
         sandbox.sandbox_status.cache_clear()
+
+
+def test_a_killed_callers_program_directory_is_swept_by_the_next_one():
+    """A reward worker killed mid-run (SIGKILL: no ``finally``) leaves its program directory;
+    the next process that runs a program removes it, and never a living process's."""
+    import subprocess
+    import sys
+    import tempfile
+
+    caller = subprocess.Popen([sys.executable, "-c",
+                               "from realflow.base.sandbox import SandboxLimits, run_program\n"
+                               "run_program('import time; time.sleep(60)', '', SandboxLimits(wall_s=60, cpu_s=5))"])
+    pattern = os.path.join(tempfile.gettempdir(), f"rf_sandbox_{caller.pid}_*")
+    deadline = time.monotonic() + 30
+    while not glob.glob(pattern) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = glob.glob(pattern)
+    assert left, "the caller never created its program directory"
+    caller.kill()
+    caller.wait(timeout=10)
+    assert all(os.path.isdir(d) for d in left)  # SIGKILL: nothing cleaned up
+    mine = tempfile.mkdtemp(prefix=f"rf_sandbox_{os.getpid()}_")
+    try:
+        sandbox._sweep_orphans.cache_clear()
+        assert sandbox._sweep_orphans() >= 1
+        assert not any(os.path.exists(d) for d in left)
+        assert os.path.isdir(mine)  # a living process's directory stays
+    finally:
+        os.rmdir(mine)

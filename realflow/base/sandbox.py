@@ -172,10 +172,37 @@ def _limits_preexec(limits: SandboxLimits, uid: Optional[int]):
     return apply
 
 
+_DIR_PREFIX = "rf_sandbox_"
+
+
+@functools.lru_cache(maxsize=None)
+def _sweep_orphans() -> int:
+    """Remove program directories left by processes that died before their ``finally`` ran
+    (a killed reward worker); once per process. A directory is named for its creator's pid,
+    and only those of pids that no longer exist are removed. Returns how many were."""
+    removed = 0
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid_text = name[len(_DIR_PREFIX):].split("_", 1)[0]
+        if not name.startswith(_DIR_PREFIX) or not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+            continue  # alive (or another user's, which we may not signal): not ours to remove
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed += 1
+    return removed
+
+
 def _run(code: str, stdin: str, limits: SandboxLimits, *, slot: int, sandboxed: bool) -> SandboxResult:
     if not 0 <= slot < 1000:
         raise ValueError(f"slot={slot}: must be in [0, 1000)")
-    src_dir = tempfile.mkdtemp(prefix="rf_sandbox_")
+    _sweep_orphans()
+    src_dir = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}_")
     try:
         os.chmod(src_dir, 0o755)
         path = os.path.join(src_dir, "main.py")

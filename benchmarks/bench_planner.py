@@ -97,7 +97,8 @@ def main() -> int:
         runs_rows = passes[exp, alloc]
         rows = [r for rr in runs_rows for r in rr[WARMUP:]]
         if exp == "sft":
-            wl = {"seq_len": statistics.mean(r["sft_train/n_tokens"] for r in rows) / 64}
+            wl = {"seq_len": statistics.mean(r["sft_train/n_tokens"] for r in rows) / 64,
+                  "seq_len_max": statistics.mean(r["sft_train/seq_len_max"] for r in rows)}
         else:
             wl = {"prompt_len": statistics.mean(r["actor_train/prompt_len"] for r in rows),
                   "gen_len_mean": statistics.mean(r["actor_train/response_len"] for r in rows),

@@ -41,6 +41,9 @@ class SFTInterface(ModelInterface):
         stats = model.module.train_batch(micro_batches, self.loss, _n_loss_tokens, sample_ids=ids)
         # caller stats come back summed over micro-batches and dp ranks
         stats["token_acc"] = stats.pop("token_acc_sum") / max(stats.pop("n_loss_tokens"), 1.0)
+        # the batch's longest sequence: what a padded engine pays per sequence (the planner's workload)
+        longest = max((n for _, lens, _ in micro_batches for n in lens), default=0)
+        stats["seq_len_max"] = model.module.dp_max([float(longest)])[0]
         return stats
 
     def loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:

@@ -175,3 +175,24 @@ def test_allocation_auto_splits_an_asynchronous_run_between_servers_and_trainer(
     one = subprocess.run([sys.executable, "-m", "realflow.apps.main_async_ppo", "allocation=auto", "n_workers=1",
                           f"fileroot={tmp_path}", "--dry-run"], capture_output=True, text=True, timeout=180, env=env)
     assert one.returncode == 2 and "needs at least 2 workers" in one.stderr
+
+
+def test_a_padded_engine_pays_for_the_batchs_longest_sequence(tmp_path):
+    """SFT on the CPU engine (padded attention: every sequence of a micro-batch runs as long as its
+    longest) costs more when the lengths vary than when all are the mean; a packed-attention
+    device (H100) pays only the real tokens. A longest below the mean is refused."""
+    from parallel.overheads import TINY
+
+    setup = _setup("sft", tmp_path, "batch_size=64")
+    roles = {r: dict(TINY, num_hidden_layers=4) for r, s in setup.models.items() if s.backend != "none"}
+    for cluster, padded in (("local", True), ("8xh100", False)):
+        cl = parse_cluster(cluster, local_devices=setup.n_workers, local_profile="cpu-example")
+        even = simulate(setup, cl, roles, Workload(seq_len=256), "d2" if cluster == "local" else "d8")
+        ragged = simulate(setup, cl, roles, Workload(seq_len=256, seq_len_max=512),
+                          "d2" if cluster == "local" else "d8")
+        if padded:
+            assert ragged.step_s > 1.2 * even.step_s
+        else:
+            assert ragged.step_s == pytest.approx(even.step_s)
+    with pytest.raises(ValueError, match="seq_len_max=100.0 < seq_len=256"):
+        Workload(seq_len=256, seq_len_max=100.0)

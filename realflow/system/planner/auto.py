@@ -63,7 +63,8 @@ def _host_memory_per_worker(n_workers: int) -> Optional[int]:
 
 
 def assumed_workload(setup: ExperimentSetup) -> Workload:
-    """Half of each configured length limit (the run's real lengths are unknown before it)."""
+    """Half of each configured length limit (the run's real lengths are unknown before it); a
+    batch's longest sequence at the limit."""
     args = setup.dataset.args
     limits = [float(m.interface_args.get("max_new_tokens", 0)) for m in setup.mfcs
               if m.interface_type == ModelInterfaceType.GENERATE]
@@ -71,9 +72,9 @@ def assumed_workload(setup: ExperimentSetup) -> Workload:
         limits.append(float((setup.rollout.agent_args or {}).get("max_new_tokens", 0)))
     gen_max = max(limits, default=0.0) or 512.0
     prompt = float(args.get("max_prompt_len") or 256) / 2
-    seq = float(args.get("max_seq_len") or 1024) / 2
+    seq_limit = float(args.get("max_seq_len") or 1024)
     return Workload(prompt_len=max(prompt, 1.0), gen_len_mean=max(gen_max / 2, 1.0), gen_len_max=gen_max,
-                    seq_len=max(seq, 1.0))
+                    seq_len=max(seq_limit / 2, 1.0), seq_len_max=max(seq_limit, 1.0))
 
 
 def model_configs(setup: ExperimentSetup) -> dict[str, dict[str, Any]]:

@@ -35,13 +35,18 @@ class Workload:
     prompt_len: float = 256.0
     gen_len_mean: float = 512.0
     gen_len_max: float = 1024.0
-    seq_len: float = 1024.0  # sequences without generation (SFT)
+    seq_len: float = 1024.0  # sequences without generation (SFT): their mean length
+    seq_len_max: float = 0.0  # ... and a batch's longest (0: all seq_len long); a padded engine pays it
     max_tokens_per_mb: float = 16384.0  # micro-batch budget assumed for MFCs that set none
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
+            if f.name == "seq_len_max" and self.seq_len_max == 0:
+                continue
             if not getattr(self, f.name) > 0:
                 raise ValueError(f"workload {f.name}={getattr(self, f.name)!r} must be > 0")
+        if self.seq_len_max and self.seq_len_max < self.seq_len:
+            raise ValueError(f"workload seq_len_max={self.seq_len_max} < seq_len={self.seq_len}")
         if self.gen_len_max < self.gen_len_mean:
             raise ValueError(f"workload gen_len_max={self.gen_len_max} < gen_len_mean={self.gen_len_mean}")
 
@@ -129,7 +134,7 @@ def _works(plan: ExecutionPlan, workload: Workload, rollout: Any = None) -> dict
                                seq_len_max=workload.prompt_len + workload.gen_len_max)
         else:
             out[m.name] = Work(kind, m.n_seqs, workload.seq_len, max_tokens_per_mb=mb or int(workload.max_tokens_per_mb),
-                               updates=ups if kind == "train" else 1)
+                               updates=ups if kind == "train" else 1, seq_len_max=workload.seq_len_max)
     return out
 
 

@@ -3,9 +3,10 @@
     python benchmarks/bench_planner.py [--steps 30] [--passes 2] [--root DIR]
 
 First ``realflow calibrate`` measures this machine (the profile every prediction uses);
-then SFT and synchronous GRPO run for a few steps under 8 allocations on the 2 default
-workers (data, tensor and pipeline parallel, and per-MFC mixes with parameter
-reallocation), and each measured step time is printed beside the simulator's prediction for
+then SFT, synchronous GRPO and synchronous PPO (critic and reference model) run under 10
+allocations on the 2 default workers (data, tensor and pipeline parallel, per-MFC mixes with
+parameter reallocation, and PPO's actor and critic MFCs on one worker each, running at the same
+time), and each measured step time is printed beside the simulator's prediction for
 the same experiment, allocation and sequence lengths (the lengths measured in the run: the
 planner is told the workload, not the timing), then each MFC's measured and predicted time, to
 show which part of a step an error comes from. Goal: every prediction within 20%.
@@ -35,6 +36,10 @@ from benchmarks._realflow_steps import REPO, run_job  # noqa: E402
 ARCH = ["model.arch.num_hidden_layers=4"]  # 4 layers: p2 splits them evenly
 SFT_RUNS = ["d2", "d1t2", "d1p2"]
 GRPO_RUNS = ["d2", "d1t2", "actor_train:d1p2,*:d2", "actor_train:d1t2,*:d2", "actor_gen:d1t2,*:d2"]
+# PPO with a critic and a reference: all on both workers, then the actor's and the critic's MFCs
+# on one worker each, where the two run at the same time (the planner's split moves rest on it)
+PPO_RUNS = ["d2", "actor_train:d1@0,critic_train:d1@1,ref_inf:d1@0,critic_inf:d1@1,*:d2"]
+EXPERIMENTS = {"sft": "sft", "grpo": "grpo-math", "ppo": "ppo-math"}
 WARMUP = 3
 GOAL = 0.20
 
@@ -50,7 +55,7 @@ def _mfc_times(rows: list[dict]) -> dict[str, float]:
 
 
 def _trial(exp: str, alloc: str, p: int) -> str:
-    name = f"{exp}-" + alloc.replace(":", "_").replace(",", "_").replace("*", "all")
+    name = f"{exp}-" + alloc.replace(":", "_").replace(",", "_").replace("*", "all").replace("@", "at")
     return name + (f"-pass{p + 1}" if p else "")
 
 
@@ -85,12 +90,13 @@ def main() -> int:
     print(f"profile: {profile}")
     start = os.path.join(root, "sft", "sft-d2", "checkpoints", "default", "final")  # pass 1's sft d2
     grpo_common = [f"model.path={start}", "batch_size=32", "ppo.n_samples=4", "dataset.n_test=16", "eval_n_samples=1"]
-    runs = [("sft", a, [*ARCH, "batch_size=64"]) for a in SFT_RUNS] + [("grpo", a, grpo_common) for a in GRPO_RUNS]
+    ppo_common = [*grpo_common, "ppo.kl_coef=0.05"]
+    runs = [("sft", a, [*ARCH, "batch_size=64"]) for a in SFT_RUNS] + [("grpo", a, grpo_common) for a in GRPO_RUNS] \
+        + [("ppo", a, ppo_common) for a in PPO_RUNS]
     passes: dict[tuple[str, str], list[list[dict]]] = {(e, a): [] for e, a, _ in runs}
     for p in range(args.passes):  # whole passes, so a slow minute of the host touches every allocation alike
         for exp, alloc, common in runs:
-            experiment = "sft" if exp == "sft" else "grpo-math"
-            rows = run_job(experiment, root, _trial(exp, alloc, p), args.steps, [*common, f"allocation={alloc}"])
+            rows = run_job(EXPERIMENTS[exp], root, _trial(exp, alloc, p), args.steps, [*common, f"allocation={alloc}"])
             passes[exp, alloc].append(rows)
     table = []
     for exp, alloc, common in runs:
@@ -103,19 +109,20 @@ def main() -> int:
             wl = {"prompt_len": statistics.mean(r["actor_train/prompt_len"] for r in rows),
                   "gen_len_mean": statistics.mean(r["actor_train/response_len"] for r in rows),
                   "gen_len_max": statistics.mean(r["actor_train/response_len_max"] for r in rows)}
-        pred = predict("sft" if exp == "sft" else "grpo-math",
+        pred = predict(EXPERIMENTS[exp],
                        [f"fileroot={root}", *common, f"trial_name={_trial(exp, alloc, 0)}"], alloc, profile, start, wl)
         medians = [_median_step(rr) for rr in runs_rows]
         per_mfc = [_mfc_times(rr) for rr in runs_rows]
         mfcs = {n: statistics.mean(m[n] for m in per_mfc) for n in per_mfc[0]}
         table.append((exp, alloc, statistics.mean(medians), pred, mfcs, medians))
-    print(f"\n{'run':<6}{'allocation':<26}{'measured s':>11}{'predicted s':>12}{'error':>8}")
+    w = max(len(a) for _, a, _ in runs) + 2
+    print(f"\n{'run':<6}{'allocation':<{w}}{'measured s':>11}{'predicted s':>12}{'error':>8}")
     worst = 0.0
     for exp, alloc, measured, pred, _, medians in table:
         err = (pred.step_s - measured) / measured
         worst = max(worst, abs(err))
         spread = " / ".join(f"{m:.4f}" for m in medians)
-        print(f"{exp:<6}{alloc:<26}{measured:>11.4f}{pred.step_s:>12.4f}{err:>+8.0%}   passes: {spread}")
+        print(f"{exp:<6}{alloc:<{w}}{measured:>11.4f}{pred.step_s:>12.4f}{err:>+8.0%}   passes: {spread}")
     print(f"\nworst error {worst:.0%} (goal: every prediction within {GOAL:.0%}): "
           f"{'met' if worst <= GOAL else 'NOT met'}")
     print("\nper MFC (median ms measured / predicted; an MFC without a model is not priced):")
@@ -123,7 +130,7 @@ def main() -> int:
         predicted = {m.name: (m.end - m.start) for m in pred.mfcs}
         parts = [f"{n} {t * 1e3:.1f}/{predicted[n] * 1e3:.1f}" if n in predicted else f"{n} {t * 1e3:.1f}/-"
                  for n, t in mfcs.items()]
-        print(f"  {exp:<5} {alloc:<26} " + ", ".join(parts))
+        print(f"  {exp:<5} {alloc:<{w}} " + ", ".join(parts))
     for exp, alloc, measured, pred, *_ in table:
         print(f"\n{exp} {alloc}: measured {measured:.4f} s\n{pred.describe()}")
     return 0

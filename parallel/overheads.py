@@ -43,12 +43,16 @@ def _grid_median_s(fns: dict[Any, Callable[[], Any]], repeats: int, sync: Callab
     Why round-robin: this host's speed drifts over tens of seconds (other processes, the kernel's
     memory scanning), and timing one grid point after another would turn that drift into a
     false slope across depths or token counts; interleaved, every point sees the same drift.
+    Why each visit runs its function twice and times the second: a run repeats the same step
+    (its caches warm), and the first call after another grid point's runs on cold caches (seen:
+    a 4-layer train step timed 55 ms alone, 58-71 ms as the round's first call).
     """
     for fn in fns.values():
         fn()  # warm up
     times: dict[Any, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
+            fn()
             sync()  # every rank starts together: the same contention as a run's step
             t0 = time.perf_counter()
             fn()
@@ -159,7 +163,7 @@ def fit_decode(dec: dict[tuple[int, int], float], call: dict[tuple[int, int], fl
             "generate_call_overhead_s": max(call_fixed, 0.0), "generate_seq_overhead_s": max(call_seq, 0.0)}
 
 
-def case_measure(ctx: Any, repeats: int = 7) -> dict[str, float]:
+def case_measure(ctx: Any, repeats: int = 5) -> dict[str, float]:
     """Run on every rank of a gloo group (:func:`parallel.testing.run_cases`): the data-parallel
     costs, then (even world) the tensor-parallel ones as ``tp_*``."""
     import torch

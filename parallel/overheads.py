@@ -177,7 +177,8 @@ def case_measure(ctx: Any, repeats: int = 5) -> dict[str, float]:
     if ctx.world_size % MEASURED_TP == 0:
         # twice the repeats: gloo collectives between processes that share cores make these the noisiest
         tp = _measure_layout(ParallelStrategy(dp=ctx.world_size // MEASURED_TP, tp=MEASURED_TP), 2 * repeats - 1, sync)
-        out.update({f"tp_{k}": v for k, v in tp.items() if k.startswith(("layer_", "decode_layer"))})
+        out.update({f"tp_{k}": v for k, v in tp.items()
+                    if k.startswith(("layer_", "decode_layer")) or k in ("train_step_overhead_s", "forward_overhead_s")})
         out["measured_tp"] = float(MEASURED_TP)
     out["layer_reference_params"] = float(_layer_params(TINY))
     return out

@@ -170,3 +170,15 @@ def test_fit_costs_recovers_known_costs_and_resists_noise_at_the_largest_batch()
     per_token, per_layer, _ = fit_costs(noisy)
     assert per_layer == pytest.approx(2e-3, rel=0.02)
     assert per_token == pytest.approx(1.8e-5, rel=0.05)
+
+
+def test_a_call_at_the_measured_tp_pays_its_own_fixed_cost():
+    """A train step at the tensor parallelism calibrate measured costs what was measured there
+    (its loss and grad-norm collectives included); any other tp falls back to the tp=1 cost."""
+    import dataclasses
+
+    prof = dataclasses.replace(load_profile("cpu-example"), measured_tp=2.0, train_step_overhead_s=0.010,
+                               tp_train_step_overhead_s=0.016, forward_overhead_s=0.001, tp_forward_overhead_s=0.0)
+    assert prof.call_overhead(2, True) == 0.016
+    assert prof.call_overhead(1, True) == prof.call_overhead(4, True) == 0.010
+    assert prof.call_overhead(2, False) == 0.001  # not measured at tp: the tp=1 cost

@@ -167,7 +167,7 @@ def mfc_cost(facts: ModelFacts, s: ParallelStrategy, workers: Sequence[int], wor
     _forward(c, facts, s, tokens, seqs_rank * length ** 2, layers_stage, mbs, dev, tp_link, factor)
     measured = dev.engine_costs(s.tp, work.kind == "train")[1]
     if measured > 0:  # the framework's measured cost per layer replaces the primitive-op count
-        c.overhead = mbs * layers_stage * measured + (dev.forward_overhead_s if work.kind != "train" else 0.0)
+        c.overhead = mbs * layers_stage * measured + (dev.call_overhead(s.tp, False) if work.kind != "train" else 0.0)
     mb_act = tokens / mbs * facts.hidden * dev.params_bytes
     c.pp_comm += (s.pp - 1) * mbs * p2p_s(pp_link, mb_act) * (2 if work.kind == "train" else 1)
     per_stage = c.compute + c.overhead + c.tp_comm
@@ -177,7 +177,7 @@ def mfc_cost(facts: ModelFacts, s: ParallelStrategy, workers: Sequence[int], wor
         u = work.updates
         c.dp_sync += u * allreduce_s(dp_link, s.dp, rank_params * 4)  # fp32 main grads, every update
         c.optimizer += u * (rank_params / s.dp * 16 * 3 / dev.memory_bandwidth
-                            + (dev.train_step_overhead_s or 4 * layers_stage * dev.op_overhead_s))
+                            + (dev.call_overhead(s.tp, True) or 4 * layers_stage * dev.op_overhead_s))
     return c
 
 

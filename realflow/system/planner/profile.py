@@ -78,6 +78,8 @@ class DeviceProfile:
     tp_layer_forward_token_s: float = 0.0
     tp_decode_layer_overhead_s: float = 0.0
     tp_decode_layer_seq_s: float = 0.0
+    tp_train_step_overhead_s: float = 0.0  # per optimizer step at the measured tp (its loss and grad-norm collectives)
+    tp_forward_overhead_s: float = 0.0  # per forward call at the measured tp
 
     def engine_costs(self, tp: int, train: bool) -> tuple[float, float]:
         """(per layer and token at the reference layer, per layer and micro-batch) measured for a
@@ -87,6 +89,15 @@ class DeviceProfile:
         if tp > 1 and tp == int(self.measured_tp):
             return getattr(self, f"tp_layer_{kind}_token_s"), getattr(self, f"tp_layer_{kind}_overhead_s")
         return getattr(self, f"layer_{kind}_token_s"), getattr(self, f"layer_{kind}_overhead_s")
+
+    def call_overhead(self, tp: int, train: bool) -> float:
+        """The fixed cost of a train step (per optimizer step) or a forward call, outside its
+        layers: at the measured tp its own measurement (the vocab-parallel loss, the grad norm
+        and the optimizer's checks add collectives there), else the tp=1 one."""
+        name = "train_step_overhead_s" if train else "forward_overhead_s"
+        if tp > 1 and tp == int(self.measured_tp) and getattr(self, f"tp_{name}") > 0:
+            return getattr(self, f"tp_{name}")
+        return getattr(self, name)
 
     def link(self, op: str) -> LinkProfile:
         """The intra-node link of ``op`` ("all_reduce", "all_gather" or "p2p")."""
@@ -124,7 +135,8 @@ FRAMEWORK_FIELDS = ("layer_train_overhead_s", "layer_forward_overhead_s", "train
                     "decode_step_overhead_s", "layer_train_token_s", "layer_forward_token_s", "layer_reference_params",
                     "measured_tp", "tp_layer_train_overhead_s", "tp_layer_forward_overhead_s", "tp_layer_train_token_s",
                     "tp_layer_forward_token_s", "tp_decode_layer_overhead_s", "decode_seq_s", "decode_layer_seq_s",
-                    "generate_call_overhead_s", "generate_seq_overhead_s", "tp_decode_layer_seq_s")
+                    "generate_call_overhead_s", "generate_seq_overhead_s", "tp_decode_layer_seq_s",
+                    "tp_train_step_overhead_s", "tp_forward_overhead_s")
 
 
 def profile_from_dict(d: dict[str, Any], where: str = "profile") -> DeviceProfile:

@@ -38,12 +38,13 @@ class SFTInterface(ModelInterface):
             # a target counts if it is a response token (not prompt) and inside its sequence
             loss_mask = valid & ~torch.roll(mb.data["prompt_mask"], -1)
             micro_batches.append((tokens, seqlens, {"targets": targets, "mask": loss_mask, "ids": mb.ids}))
+        # the batch's longest sequence: what a padded engine pays per sequence (the planner's workload);
+        # reduced before train_batch, which may raise on one rank only (a non-finite loss in stop mode)
+        longest = model.module.dp_max([float(max((n for _, lens, _ in micro_batches for n in lens), default=0))])[0]
         stats = model.module.train_batch(micro_batches, self.loss, _n_loss_tokens, sample_ids=ids)
         # caller stats come back summed over micro-batches and dp ranks
         stats["token_acc"] = stats.pop("token_acc_sum") / max(stats.pop("n_loss_tokens"), 1.0)
-        # the batch's longest sequence: what a padded engine pays per sequence (the planner's workload)
-        longest = max((n for _, lens, _ in micro_batches for n in lens), default=0)
-        stats["seq_len_max"] = model.module.dp_max([float(longest)])[0]
+        stats["seq_len_max"] = longest
         return stats
 
     def loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:

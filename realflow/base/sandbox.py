@@ -183,8 +183,8 @@ def _sweep_orphans() -> int:
     removed = 0
     root = tempfile.gettempdir()
     for name in os.listdir(root):
-        pid_text = name[len(_DIR_PREFIX):].split("_", 1)[0]
-        if not name.startswith(_DIR_PREFIX) or not pid_text.isdigit():
+        pid_text = name[len(_DIR_PREFIX):].split("_", 1)[0] if name.startswith(_DIR_PREFIX) else ""
+        if not pid_text.isdigit():
             continue
         try:
             os.kill(int(pid_text), 0)

@@ -3,12 +3,13 @@
 Why measured in the engine and not counted from primitive ops: a megatron layer's forward and
 backward run ~100 framework ops each (norms, rotary, reshapes, sequence-parallel gathers, the
 distributed optimizer's bookkeeping), and on small or CPU models that Python and dispatch time,
-not the GEMMs, sets the step time. A tiny model is timed at three depths and two token counts;
-least-squares lines through those points separate the cost per layer and token, per layer and
-micro-batch, and per call (loss, schedule, optimizer step). Generation is timed the same way at
-two step counts and two numbers of live sequences: a decode step's cost per step, per layer, per
-live sequence (its sampling and bookkeeping) and per sequence and layer, and what a generate call
-costs around its steps. (A run decodes tens of sequences per rank; the per-sequence costs, not
+not the GEMMs, sets the step time. A tiny model is timed at three depths and four token counts;
+per token count a line over the depths separates one layer's cost from the call's (loss,
+schedule, optimizer). The layer's cost is kept as a curve over the token counts (it is not a
+line: see :func:`fit_costs`), the call's as a line (fixed + per token). Generation is timed
+the same way at two step counts and two numbers of live sequences: a decode step's cost per
+step, per layer, per live sequence (its sampling and bookkeeping) and per sequence and layer,
+and what a generate call costs around its steps. (A run decodes tens of sequences per rank; the per-sequence costs, not
 the GEMMs, set a small model's decode step.)
 
 Why on ``world`` concurrent processes: a run's workers share the host (cores, caches, memory
@@ -16,7 +17,7 @@ bandwidth), so one process timed alone is a faster "device" than any worker of a
 rank of a ``world``-process gloo group measures at once, as data parallel (each rank its own
 batch: the run's default) and, when ``world`` is even, as tensor parallel over pairs of ranks
 (``tp_*`` costs: the layer's split GEMMs plus megatron's sequence-parallel collectives, measured
-rather than modelled).
+rather than modelled; averaged over several launches, see :func:`measure_engine_overheads`).
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ TINY = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=
             num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=1024,
             hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)
 DEPTHS = (2, 4, 6)
-TOKENS = (32, 512, 2048)  # per rank: the per-token cost of a layer is the slope through them (to 2048:
-# a run's micro-batches hold ~1-2k tokens, and a slope fitted below them extrapolates the noise)
+TOKENS = (32, 512, 1024, 2048)  # per rank: a layer's cost is measured at each (a run's micro-batches
+# hold ~0.5-2k tokens; the cost model interpolates between them)
 SEQ = 16  # tokens per packed sequence
 DECODE_BATCHES = (8, 64)  # live sequences: per-sequence decode costs are the slope between them
 DECODE_STEPS = (2, 18)
@@ -80,21 +81,35 @@ def _line(xs: list[float], ys: list[float], relative: bool = False) -> tuple[flo
     return my - slope * mx, slope
 
 
-def fit_costs(t: dict[tuple[int, int], float]) -> tuple[float, float, float]:
-    """(per layer and token, per layer and micro-batch, per call) from times at DEPTHS x TOKENS."""
+def fit_costs(t: dict[tuple[int, int], float]) -> dict[str, Any]:
+    """A layer's and a call's costs from times at DEPTHS x TOKENS (one micro-batch per call).
+
+    Per token count, a line over the depths splits the time into the call's part (intercept) and
+    one layer's (slope). The layer's costs are kept as measured, a curve over the token counts
+    (``curve``: made non-decreasing, as noise can dip a point), with ``overhead_s`` its value
+    extrapolated to no tokens and ``token_s`` its mean slope. Why a curve, not a line: a
+    tensor-parallel layer's cost per token grows past ~1k tokens (seen 10 us below, 16 us
+    above), and a line fitted over 32..2048 under-priced the ~1k-token batches of a run by 15%.
+    The call's part is a line over the token counts: ``call_s`` (its intercept: schedule, optimizer)
+    and ``head_token_s`` (embedding, LM head, loss; at tp their collectives); fitted on relative
+    errors, as the largest batch's few percent of noise would otherwise swing the intercept.
+    """
     fixed, per_layer = {}, {}
     for n in TOKENS:
         fixed[n], per_layer[n] = _line([float(d) for d in DEPTHS], [t[d, n] for d in DEPTHS])
-    layer_fixed, per_token = _line([float(n) for n in TOKENS], [per_layer[n] for n in TOKENS],
-                                   relative=min(per_layer.values()) > 0)
-    if per_token < 0:  # noise: no growth with tokens to resolve
-        per_token, layer_fixed = 0.0, statistics.mean(per_layer.values())
-    call_fixed, _ = _line([float(n) for n in TOKENS], [fixed[n] for n in TOKENS],
-                          relative=min(fixed.values()) > 0)  # its per-token part: the LM
-    return per_token, max(layer_fixed, 0.0), max(call_fixed, 0.0)  # head and loss, which the cost model prices
+    ys: list[float] = []
+    for n in TOKENS:
+        ys.append(max(per_layer[n], ys[-1] if ys else 0.0))
+    (n0, y0), (n1, y1) = (TOKENS[0], ys[0]), (TOKENS[1], ys[1])
+    layer_fixed = max(y0 - n0 * (y1 - y0) / (n1 - n0), 0.0)
+    _, per_token = _line([float(n) for n in TOKENS], ys)
+    call_fixed, head = _line([float(n) for n in TOKENS], [fixed[n] for n in TOKENS],
+                             relative=min(fixed.values()) > 0)
+    return {"token_s": max(per_token, 0.0), "overhead_s": layer_fixed, "call_s": max(call_fixed, 0.0),
+            "head_token_s": max(head, 0.0), "curve": tuple((float(n), y) for n, y in zip(TOKENS, ys))}
 
 
-def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> dict[str, float]:
+def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> dict[str, Any]:
     import torch
 
     from parallel.engine import MegatronEngine
@@ -137,12 +152,14 @@ def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> di
             lo, hi = times["gen", depth, b, lo_n], times["gen", depth, b, hi_n]
             dec[depth, b] = (hi - lo) / (hi_n - lo_n)  # one decode step
             call[depth, b] = lo - lo_n * dec[depth, b]  # the call around its steps (and the prefill)
-    out: dict[str, float] = {}
+    out: dict[str, Any] = {}
     for name, t in (("train", train), ("forward", fwd)):
-        per_token, per_layer, fixed = fit_costs(t)
-        out[f"layer_{name}_token_s"] = per_token
-        out[f"layer_{name}_overhead_s"] = per_layer
-        out["train_step_overhead_s" if name == "train" else "forward_overhead_s"] = fixed
+        fit = fit_costs(t)
+        out[f"layer_{name}_token_s"] = fit["token_s"]
+        out[f"layer_{name}_overhead_s"] = fit["overhead_s"]
+        out[f"layer_{name}_curve"] = fit["curve"]
+        out[f"{name}_head_token_s"] = fit["head_token_s"]
+        out["train_step_overhead_s" if name == "train" else "forward_overhead_s"] = fit["call_s"]
     out.update(fit_decode(dec, call))
     return out
 
@@ -165,40 +182,83 @@ def fit_decode(dec: dict[tuple[int, int], float], call: dict[tuple[int, int], fl
 
 def case_measure(ctx: Any, repeats: int = 5) -> dict[str, float]:
     """Run on every rank of a gloo group (:func:`parallel.testing.run_cases`): the data-parallel
-    costs, then (even world) the tensor-parallel ones as ``tp_*``."""
+    costs (each rank its own batch)."""
     import torch
     import torch.distributed as dist
 
     from realflow.api.allocation import ParallelStrategy
 
     torch.manual_seed(0)
-    sync = dist.barrier
-    out = _measure_layout(ParallelStrategy(dp=ctx.world_size), repeats, sync)
-    if ctx.world_size % MEASURED_TP == 0:
-        # twice the repeats: gloo collectives between processes that share cores make these the noisiest
-        tp = _measure_layout(ParallelStrategy(dp=ctx.world_size // MEASURED_TP, tp=MEASURED_TP), 2 * repeats - 1, sync)
-        out.update({f"tp_{k}": v for k, v in tp.items()
-                    if k.startswith(("layer_", "decode_layer")) or k in ("train_step_overhead_s", "forward_overhead_s")})
-        out["measured_tp"] = float(MEASURED_TP)
+    out = _measure_layout(ParallelStrategy(dp=ctx.world_size), repeats, dist.barrier)
     out["layer_reference_params"] = float(_layer_params(TINY))
+    out["head_reference_size"] = float(TINY["vocab_size"] * TINY["hidden_size"])
     return out
+
+
+def case_measure_tp(ctx: Any, repeats: int = 5) -> dict[str, Any]:
+    """The tensor-parallel costs over pairs of ranks, as ``tp_*`` (every cost: at tp each has its
+    collectives)."""
+    import torch
+    import torch.distributed as dist
+
+    from realflow.api.allocation import ParallelStrategy
+
+    torch.manual_seed(0)
+    tp = _measure_layout(ParallelStrategy(dp=ctx.world_size // MEASURED_TP, tp=MEASURED_TP), repeats, dist.barrier)
+    return {f"tp_{k}": v for k, v in tp.items()}
 
 
 def case_measure_quick(ctx: Any) -> dict[str, float]:
     return case_measure(ctx, repeats=3)
 
 
-def measure_engine_overheads(world: int = 2, quick: bool = False, timeout_s: float = 600.0) -> dict[str, float]:
+def case_measure_tp_quick(ctx: Any) -> dict[str, Any]:
+    return case_measure_tp(ctx, repeats=3)
+
+
+TP_LAUNCHES = 3
+
+
+def measure_engine_overheads(world: int = 2, quick: bool = False, timeout_s: float = 600.0) -> dict[str, Any]:
     """The profile's framework fields (see :class:`realflow.system.planner.profile.DeviceProfile`),
-    measured on ``world`` concurrent worker processes; each value the median over the ranks."""
+    measured on ``world`` concurrent worker processes; each value (each curve point) the median
+    over the ranks. With an even ``world`` also the tensor-parallel ones, as the mean over
+    ``TP_LAUNCHES`` fresh launches (1 when ``quick``). Why several launches: a tp layer waits on
+    the other rank at every collective, and a gloo all-reduce here takes ~0.3 ms or ~4 ms (a
+    scheduler tick), in a mix that is set when the processes start: the same tp=2 decode timed
+    178 ms in one launch and 235 ms in the next, each steady within its launch."""
+    launches = [run_measure("case_measure_quick" if quick else "case_measure", world, timeout_s)]
+    tp = []
+    if world % MEASURED_TP == 0:
+        tp = [run_measure("case_measure_tp_quick" if quick else "case_measure_tp", world, timeout_s)
+              for _ in range(1 if quick else TP_LAUNCHES)]
+    out = dict(launches[0])
+    for k in (tp[0] if tp else {}):
+        v = tp[0][k]
+        if isinstance(v, tuple):
+            out[k] = tuple((p[0], statistics.mean(t[k][i][1] for t in tp)) for i, p in enumerate(v))
+        else:
+            out[k] = statistics.mean(t[k] for t in tp)
+    if tp:
+        out["measured_tp"] = float(MEASURED_TP)
+    return out
+
+
+def run_measure(case: str, world: int, timeout_s: float) -> dict[str, Any]:
+    """One launch of ``case`` on ``world`` fresh processes; each value the median over the ranks."""
     from parallel.testing import run_cases
 
-    name = "case_measure_quick" if quick else "case_measure"
-    res = run_cases([f"parallel.overheads:{name}"], world_size=world, timeout=timeout_s)[name]
+    res = run_cases([f"parallel.overheads:{case}"], world_size=world, timeout=timeout_s)[case]
     if not res.ok:
-        raise RuntimeError(f"engine cost measurement on {world} processes failed: {res.error[-2000:]}")
+        raise RuntimeError(f"engine cost measurement ({case}) on {world} processes failed: {res.error[-2000:]}")
     ranks = list(res.data.values())
-    return {k: statistics.median(float(r[k]) for r in ranks) for k in ranks[0]}
+    out: dict[str, Any] = {}
+    for k, v in ranks[0].items():
+        if isinstance(v, (list, tuple)):  # a curve, as JSON lists from the ranks
+            out[k] = tuple((float(p[0]), statistics.median(float(r[k][i][1]) for r in ranks)) for i, p in enumerate(v))
+        else:
+            out[k] = statistics.median(float(r[k]) for r in ranks)
+    return out
 
 
 if __name__ == "__main__":

@@ -190,8 +190,8 @@ def test_a_padded_engine_pays_for_the_batchs_longest_sequence(tmp_path):
         even = simulate(setup, cl, roles, Workload(seq_len=256), "d2" if cluster == "local" else "d8")
         ragged = simulate(setup, cl, roles, Workload(seq_len=256, seq_len_max=512),
                           "d2" if cluster == "local" else "d8")
-        if padded:
-            assert ragged.step_s > 1.2 * even.step_s
+        if padded:  # (the runtime's partition groups similar lengths: less than the longest for all)
+            assert 1.05 * even.step_s < ragged.step_s < 2 * even.step_s
         else:
             assert ragged.step_s == pytest.approx(even.step_s)
     with pytest.raises(ValueError, match="seq_len_max=100.0 < seq_len=256"):

@@ -159,26 +159,87 @@ def test_fit_decode_separates_per_step_per_layer_and_per_sequence_costs():
 
 
 def test_fit_costs_recovers_known_costs_and_resists_noise_at_the_largest_batch():
-    """A layer costing 2 ms per micro-batch + 18 us per token, 5 ms per call: recovered exactly;
-    with the 2048-token times 5% high (this host's noise is in proportion to a timing), the
-    relative-error fit keeps the per micro-batch cost within 2%."""
+    """A layer costing 2 ms per micro-batch + 18 us per token, 5 ms per call + 3 us per token:
+    recovered exactly, the layer's measured curve included; with the 2048-token times 5% high
+    (this host's noise is in proportion to a timing), only the curve's last point moves, and
+    the relative-error fit keeps the call's fixed cost within 2%."""
     from parallel.overheads import DEPTHS, TOKENS, fit_costs
 
-    exact = {(d, n): 5e-3 + d * (2e-3 + n * 1.8e-5) for d in DEPTHS for n in TOKENS}
-    assert fit_costs(exact) == pytest.approx((1.8e-5, 2e-3, 5e-3), rel=1e-9)
+    exact = {(d, n): 5e-3 + 3e-6 * n + d * (2e-3 + n * 1.8e-5) for d in DEPTHS for n in TOKENS}
+    fit = fit_costs(exact)
+    assert (fit["token_s"], fit["overhead_s"], fit["call_s"], fit["head_token_s"]) == pytest.approx(
+        (1.8e-5, 2e-3, 5e-3, 3e-6), rel=1e-9)
+    assert [n for n, _ in fit["curve"]] == list(TOKENS)
+    assert [y for _, y in fit["curve"]] == pytest.approx([2e-3 + n * 1.8e-5 for n in TOKENS], rel=1e-9)
     noisy = {(d, n): t * (1.05 if n == max(TOKENS) else 1.0) for (d, n), t in exact.items()}
-    per_token, per_layer, _ = fit_costs(noisy)
-    assert per_layer == pytest.approx(2e-3, rel=0.02)
-    assert per_token == pytest.approx(1.8e-5, rel=0.05)
+    got = fit_costs(noisy)
+    assert got["overhead_s"] == pytest.approx(2e-3, rel=1e-9)
+    assert [y for _, y in got["curve"][:-1]] == pytest.approx([y for _, y in fit["curve"][:-1]], rel=1e-9)
+    assert got["call_s"] == pytest.approx(5e-3, rel=0.02)
+
+
+def test_fit_costs_keeps_a_convex_layer_cost_as_measured():
+    """A layer whose cost per token doubles past 1024 tokens (a tensor-parallel layer here: 10 us
+    per token below, 16 above): the curve holds every measured point, so a 1536-token micro-batch
+    is priced between them, where one line through all of them would miss it; a point that dips
+    below the one before (noise) is lifted to it."""
+    from parallel.overheads import DEPTHS, TOKENS, fit_costs
+    from realflow.system.planner.profile import curve_at
+
+    def layer(n: float) -> float:
+        return 3e-3 + 1e-5 * min(n, 1024) + 2e-5 * max(n - 1024, 0)
+
+    fit = fit_costs({(d, n): 4e-3 + d * layer(n) for d in DEPTHS for n in TOKENS})
+    assert curve_at(fit["curve"], 1536) == pytest.approx(layer(1536), rel=1e-9)
+    assert curve_at(fit["curve"], 4096) == pytest.approx(layer(4096), rel=1e-9)  # past the end: its last slope
+    assert curve_at(fit["curve"], 0) == pytest.approx(fit["overhead_s"]) == pytest.approx(3e-3, rel=1e-9)
+    line = fit["overhead_s"] + 1536 * fit["token_s"]
+    assert abs(line - layer(1536)) / layer(1536) > 0.05  # what the line alone would have said
+    dipped = fit_costs({(d, n): 4e-3 + d * (layer(n) * (0.5 if n == 1024 else 1.0)) for d in DEPTHS for n in TOKENS})
+    ys = [y for _, y in dipped["curve"]]
+    assert ys == sorted(ys) and ys[2] == pytest.approx(layer(512))
+
+
+def test_the_cost_model_prices_a_micro_batch_on_the_measured_curve():
+    """A profile with a measured tp=2 curve: a tp=2 train step's layer cost is the curve's value at
+    its micro-batch size (interpolated); tp=1 keeps its own curve, and a profile without one its
+    line."""
+    import dataclasses
+
+    from realflow.api.allocation import ParallelStrategy
+    from realflow.system.planner.cluster import ClusterSpec
+    from realflow.system.planner.cost import ModelFacts, Work, mfc_cost
+    from realflow.system.planner.profile import curve_at
+
+    base = load_profile("cpu-example")
+    ref = base.layer_reference_params
+    curve = ((32.0, 0.010), (512.0, 0.014), (1024.0, 0.020), (2048.0, 0.040))
+    prof = dataclasses.replace(base, measured_tp=2.0, tp_layer_train_curve=curve, tp_layer_train_overhead_s=0.0097,
+                               tp_layer_train_token_s=1e-5, tp_train_step_overhead_s=0.005)
+    assert prof.layer_costs(2, True, 768) == pytest.approx((0.017 - 0.0097, 0.0097))
+    assert base.layer_train_curve  # tp=1 keeps its own curve
+    assert prof.layer_costs(1, True, 768) == pytest.approx(
+        (curve_at(base.layer_train_curve, 768) - base.layer_train_overhead_s, base.layer_train_overhead_s))
+    line = dataclasses.replace(prof, layer_train_curve=())  # a profile without curves: the line
+    assert line.layer_costs(1, True, 768) == pytest.approx((base.layer_train_token_s * 768, base.layer_train_overhead_s))
+    cluster = ClusterSpec(1, 2, prof, prof.intra_node)
+    cfg = dict(num_hidden_layers=4, hidden_size=128, intermediate_size=352, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=128)
+    facts = ModelFacts.from_hf(cfg)
+    c = mfc_cost(facts, ParallelStrategy(tp=2), [0, 1], Work("train", seqs=48, seq_len=16), cluster)
+    scale = facts.layer_params / ref
+    assert c.overhead == pytest.approx(4 * 0.0097)
+    assert c.compute > 4 * (0.017 - 0.0097) * scale  # the layers' tokens, plus the LM head and attention
 
 
 def test_a_call_at_the_measured_tp_pays_its_own_fixed_cost():
     """A train step at the tensor parallelism calibrate measured costs what was measured there
-    (its loss and grad-norm collectives included); any other tp falls back to the tp=1 cost."""
+    (its loss and grad-norm collectives included), even where that came out 0; any other tp
+    falls back to the tp=1 cost."""
     import dataclasses
 
     prof = dataclasses.replace(load_profile("cpu-example"), measured_tp=2.0, train_step_overhead_s=0.010,
                                tp_train_step_overhead_s=0.016, forward_overhead_s=0.001, tp_forward_overhead_s=0.0)
     assert prof.call_overhead(2, True) == 0.016
     assert prof.call_overhead(1, True) == prof.call_overhead(4, True) == 0.010
-    assert prof.call_overhead(2, False) == 0.001  # not measured at tp: the tp=1 cost
+    assert prof.call_overhead(2, False) == 0.0 and prof.call_overhead(1, False) == 0.001

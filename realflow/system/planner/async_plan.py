@@ -61,12 +61,14 @@ def server_tokens_per_s(facts: ModelFacts, tp: int, cluster: ClusterSpec, worklo
     conc = max(1, min(max_running, int(free // per_seq_kv)))
     kv = conc * ctx * facts.kv_bytes_per_token(dev.params_bytes) / tp
     flops = (facts.gemm_flops_fwd(conc) + facts.attn_flops_fwd(conc * ctx * 2)) / tp
-    tp_measured = tp > 1 and tp == int(dev.measured_tp) and dev.tp_decode_layer_overhead_s > 0
+    tp_measured = dev.measured_at(tp) and dev.tp_decode_layer_overhead_s > 0
     step = max(flops / dev.matmul_flops, (weights + kv) / dev.memory_bandwidth,
                measured_decode_compute_s(facts, dev, conc, facts.layers, tp, tp_measured))
-    per_layer = dev.tp_decode_layer_overhead_s if tp_measured else dev.decode_layer_overhead_s
-    step += facts.layers * per_layer + dev.decode_step_overhead_s + conc * dev.decode_seq_s
-    step += facts.layers * 2 * allreduce_s(cluster.device.intra_node, tp, conc * facts.hidden * dev.params_bytes)
+    at = tp if tp_measured else 1
+    step += facts.layers * dev.engine_value("decode_layer_overhead_s", at) \
+        + dev.engine_value("decode_step_overhead_s", at) + conc * dev.engine_value("decode_seq_s", at)
+    if not tp_measured:  # a measured tp step includes its collectives
+        step += facts.layers * 2 * allreduce_s(cluster.device.intra_node, tp, conc * facts.hidden * dev.params_bytes)
     prefill = 2.0 * facts.params * workload.prompt_len / dev.matmul_flops / tp  # per sequence
     per_token = step / conc + prefill / workload.gen_len_mean
     return 1.0 / per_token

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 from realflow.api.allocation import ParallelStrategy
 from realflow.system.planner.cluster import ClusterSpec
+from realflow.system.planner.microbatches import micro_batch_shapes
 from realflow.system.planner.profile import LinkProfile
 
 GEMMS_PER_LAYER = 4  # fused qkv, attention output projection, fused fc1 [gate; up], fc2
@@ -93,19 +94,8 @@ class Work:
     kv_budget_bytes: float = 0.0  # generate: memory a rank may give the KV cache (0 = unbounded)
     updates: int = 1  # train: optimizer steps per call (PPO epochs x mini-batches)
     seq_len_max: float = 0.0  # the longest sequence (0: all are seq_len long)
-
-
-def padded_len(work: Work, s: ParallelStrategy, mbs_per_update: int, packed: bool) -> float:
-    """The length a sequence costs. Packed attention: its own. Padded (the CPU engine): its
-    micro-batch's longest -- the batch's longest with one micro-batch, nearer the mean with
-    several (the engine groups sequences of similar length); with pp > 1 every micro-batch is
-    padded to the longest of all (one tensor shape through the pipeline)."""
-    longest = max(work.seq_len_max, work.seq_len)
-    if packed or longest <= work.seq_len:
-        return work.seq_len
-    if s.pp > 1:
-        return longest
-    return work.seq_len + (longest - work.seq_len) / max(mbs_per_update, 1)
+    seq_len_min: float = 0.0  # the shortest (0: 1 token)
+    group: int = 1  # sequences per sample (a prompt's answers: they share a micro-batch)
 
 
 @dataclass
@@ -157,15 +147,20 @@ def mfc_cost(facts: ModelFacts, s: ParallelStrategy, workers: Sequence[int], wor
         one = _generate(facts, s, work, seqs_rank / waves, layers_stage, dev, tp_link, pp_link)
         return Cost(**{k: waves * v for k, v in vars(one).items()})
     c = Cost()
-    # every update's mini-batch is split into micro-batches of its own
-    mbs = work.updates * _micro_batches(seqs_rank * work.seq_len / work.updates, work)
-    # the engine pipelines the micro-batches it is given (the token budget's split), not more: with
-    # fewer micro-batches than stages, 1F1B's bubble is most of the step
-    length = padded_len(work, s, mbs // work.updates, dev.packed_attention)
-    tokens = seqs_rank * length
+    # every update's mini-batch is split into micro-batches of its own (padded ones: the runtime's
+    # partition, see microbatches.py); the engine pipelines the micro-batches it is given, not
+    # more: with fewer micro-batches than stages, 1F1B's bubble is most of the step
+    shapes = micro_batch_shapes(work, s.dp, s.pp, dev.packed_attention)
+    mbs = sum(w for w, _, _ in shapes)  # expected micro-batches (padded: averaged over deals)
     factor = 3.0 if work.kind == "train" else 1.0
-    _forward(c, facts, s, tokens, seqs_rank * length ** 2, layers_stage, mbs, dev, tp_link, factor)
-    measured = dev.engine_costs(s.tp, work.kind == "train")[1]
+    tokens = 0.0
+    for w, n, length in shapes:
+        one = Cost()
+        _forward(one, facts, s, n * length, n * length ** 2, layers_stage, 1, dev, tp_link, factor)
+        for k, v in vars(one).items():
+            setattr(c, k, getattr(c, k) + w * v)
+        tokens += w * n * length
+    measured = dev.layer_costs(s.tp, work.kind == "train", tokens / mbs)[1]
     if measured > 0:  # the framework's measured cost per layer replaces the primitive-op count
         c.overhead = mbs * layers_stage * measured + (dev.call_overhead(s.tp, False) if work.kind != "train" else 0.0)
     mb_act = tokens / mbs * facts.hidden * dev.params_bytes
@@ -207,13 +202,15 @@ def _generate(facts: ModelFacts, s: ParallelStrategy, work: Work, seqs_rank: flo
     weight_reads = facts.params * dev.params_bytes / s.tp
     kv_bytes = live * ctx * facts.kv_bytes_per_token(dev.params_bytes) / (s.tp * s.pp)
     flops = (facts.gemm_flops_fwd(live) + facts.attn_flops_fwd(live * ctx * 2)) / (s.tp * s.pp)
-    tp_measured = s.tp > 1 and s.tp == int(dev.measured_tp) and dev.tp_decode_layer_overhead_s > 0
+    tp_measured = dev.measured_at(s.tp) and dev.tp_decode_layer_overhead_s > 0
     c.compute += steps * max(flops / dev.matmul_flops, (weight_reads + kv_bytes) / dev.memory_bandwidth,
                              measured_decode_compute_s(facts, dev, live, layers_stage, s.tp, tp_measured))
-    per_layer = dev.tp_decode_layer_overhead_s if tp_measured else dev.decode_layer_overhead_s
-    c.overhead += steps * (facts.layers * per_layer  # every stage, once per micro-batch
-                           + dev.decode_step_overhead_s + live * dev.decode_seq_s)
-    c.overhead += dev.generate_call_overhead_s + seqs_rank * dev.generate_seq_overhead_s
+    # at the measured tp every fixed cost is its own measurement (a decode step's embedding
+    # all-reduce and logits gather; a tp collective here costs ~0.3-4 ms, the step's GEMMs less)
+    at = s.tp if tp_measured else 1
+    c.overhead += steps * (facts.layers * dev.engine_value("decode_layer_overhead_s", at)  # every stage, once per micro-batch
+                           + dev.engine_value("decode_step_overhead_s", at) + live * dev.engine_value("decode_seq_s", at))
+    c.overhead += dev.engine_value("generate_call_overhead_s", at) + seqs_rank * dev.engine_value("generate_seq_overhead_s", at)
     act = live * facts.hidden * dev.params_bytes
     if not tp_measured:  # a measured tp layer includes its collectives
         c.tp_comm += steps * layers_stage * 2 * allreduce_s(tp_link, s.tp, act)
@@ -237,15 +234,21 @@ def measured_decode_compute_s(facts: ModelFacts, dev: Any, live: float, layers: 
 def _forward(c: Cost, facts: ModelFacts, s: ParallelStrategy, tokens: float, sum_sq: float, layers_stage: int,
              mbs: int, dev: Any, tp_link: LinkProfile, factor: float = 1.0) -> None:
     split = s.tp * s.pp
-    per_token = dev.engine_costs(s.tp, factor > 1)[0]
-    tp_measured = s.tp > 1 and s.tp == int(dev.measured_tp) and per_token > 0
-    if per_token > 0 and dev.layer_reference_params > 0:
-        # the engine's measured cost per token of a layer (GEMMs, elementwise passes, norms; at the
-        # measured tp also its collectives), scaled by the layer's size; the LM head's GEMM on top,
-        # from the primitive rate
+    train = factor > 1
+    token_part = dev.layer_costs(s.tp, train, tokens / mbs)[0]
+    tp_measured = dev.measured_at(s.tp) and token_part > 0
+    if token_part > 0 and dev.layer_reference_params > 0:
+        # the engine's measured cost of a layer's tokens (GEMMs, elementwise passes, norms; at the
+        # measured tp also its collectives) at this micro-batch size, scaled by the layer's size;
+        # the LM head's GEMM on top, from the primitive rate, and the call's measured per-token
+        # cost beyond the reference model's head GEMM (loss, embedding; at tp their collectives)
         shard = 1 if tp_measured else s.tp
-        c.compute += tokens * layers_stage * per_token * facts.layer_params / dev.layer_reference_params / shard
+        c.compute += mbs * layers_stage * token_part * facts.layer_params / dev.layer_reference_params / shard
         c.compute += factor * 2.0 * facts.vocab * facts.hidden * tokens / s.tp / dev.matmul_flops
+        head = dev.engine_value(f"{'train' if train else 'forward'}_head_token_s", s.tp)
+        if head > 0:
+            ref_gemm = factor * 2.0 * dev.head_reference_size / (s.tp if tp_measured else 1) / dev.matmul_flops
+            c.compute += tokens * max(head - ref_gemm, 0.0) / shard
     else:
         c.compute += factor * facts.gemm_flops_fwd(tokens) / split / dev.matmul_flops
     c.compute += (factor + 0.5 * (factor > 1)) * facts.attn_flops_fwd(sum_sq) / split / dev.attention_flops

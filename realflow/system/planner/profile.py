@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
@@ -80,24 +80,58 @@ class DeviceProfile:
     tp_decode_layer_seq_s: float = 0.0
     tp_train_step_overhead_s: float = 0.0  # per optimizer step at the measured tp (its loss and grad-norm collectives)
     tp_forward_overhead_s: float = 0.0  # per forward call at the measured tp
+    tp_decode_step_overhead_s: float = 0.0  # (the embedding's all-reduce and the logits' gather are per step)
+    tp_decode_seq_s: float = 0.0
+    tp_generate_call_overhead_s: float = 0.0
+    tp_generate_seq_overhead_s: float = 0.0
+    # a layer's cost per micro-batch against the micro-batch's tokens, as measured: ((tokens, seconds), ...)
+    # at the reference layer; between the points interpolated, past the last one its slope. Why not
+    # one line: a tensor-parallel layer's cost grows faster past ~1k tokens than below (seen 10 vs
+    # 16 us per token), and a line through 32..2048 tokens under-priced a run's ~1k-token batches
+    layer_train_curve: tuple = ()
+    layer_forward_curve: tuple = ()
+    tp_layer_train_curve: tuple = ()
+    tp_layer_forward_curve: tuple = ()
+    # per token of a call outside its layers (embedding, LM head, loss; at tp the vocab-parallel
+    # loss's collectives), beyond the LM head GEMM of the reference model (vocab x hidden =
+    # head_reference_size) priced at matmul_flops
+    train_head_token_s: float = 0.0
+    forward_head_token_s: float = 0.0
+    tp_train_head_token_s: float = 0.0
+    tp_forward_head_token_s: float = 0.0
+    head_reference_size: float = 0.0
+
+    def measured_at(self, tp: int) -> bool:
+        """Whether the framework's costs were measured in a tensor-parallel group of ``tp``."""
+        return tp > 1 and tp == int(self.measured_tp)
+
+    def engine_value(self, name: str, tp: int) -> Any:
+        """A framework cost for a layout with tensor parallelism ``tp``: the one measured at that
+        tp (``tp_<name>``) where calibrate measured it, else the tp=1 one."""
+        return getattr(self, f"tp_{name}") if self.measured_at(tp) else getattr(self, name)
+
+    def layer_costs(self, tp: int, train: bool, mb_tokens: float) -> tuple[float, float]:
+        """(the part that grows with tokens, the fixed part) of one layer's cost on a micro-batch of
+        ``mb_tokens`` tokens, at the reference layer; (0, 0) when not measured. See
+        :meth:`engine_costs` for which tp's numbers serve."""
+        per_token, fixed = self.engine_costs(tp, train)
+        curve = self.engine_value(f"layer_{'train' if train else 'forward'}_curve", tp)
+        if curve:
+            return max(curve_at(curve, mb_tokens) - fixed, 0.0), fixed
+        return per_token * mb_tokens, fixed
 
     def engine_costs(self, tp: int, train: bool) -> tuple[float, float]:
         """(per layer and token at the reference layer, per layer and micro-batch) measured for a
         layout with tensor parallelism ``tp``; (0, 0) when not measured for it. The tp=1 costs
         serve any tp only when no tp was measured (then split by tp, collectives modelled)."""
         kind = "train" if train else "forward"
-        if tp > 1 and tp == int(self.measured_tp):
-            return getattr(self, f"tp_layer_{kind}_token_s"), getattr(self, f"tp_layer_{kind}_overhead_s")
-        return getattr(self, f"layer_{kind}_token_s"), getattr(self, f"layer_{kind}_overhead_s")
+        return self.engine_value(f"layer_{kind}_token_s", tp), self.engine_value(f"layer_{kind}_overhead_s", tp)
 
     def call_overhead(self, tp: int, train: bool) -> float:
         """The fixed cost of a train step (per optimizer step) or a forward call, outside its
         layers: at the measured tp its own measurement (the vocab-parallel loss, the grad norm
         and the optimizer's checks add collectives there), else the tp=1 one."""
-        name = "train_step_overhead_s" if train else "forward_overhead_s"
-        if tp > 1 and tp == int(self.measured_tp) and getattr(self, f"tp_{name}") > 0:
-            return getattr(self, f"tp_{name}")
-        return getattr(self, name)
+        return self.engine_value("train_step_overhead_s" if train else "forward_overhead_s", tp)
 
     def link(self, op: str) -> LinkProfile:
         """The intra-node link of ``op`` ("all_reduce", "all_gather" or "p2p")."""
@@ -115,6 +149,8 @@ class DeviceProfile:
             elif f.name == "packed_attention":
                 if not isinstance(v, bool):
                     raise ProfileError(f"{where}: packed_attention={v!r} must be true or false")
+            elif f.name in CURVE_FIELDS:
+                check_curve(v, f"{where}: {f.name}")
             elif f.name in LINK_FIELDS:
                 if v is not None or f.name == "intra_node":
                     if not isinstance(v, LinkProfile):
@@ -136,7 +172,31 @@ FRAMEWORK_FIELDS = ("layer_train_overhead_s", "layer_forward_overhead_s", "train
                     "measured_tp", "tp_layer_train_overhead_s", "tp_layer_forward_overhead_s", "tp_layer_train_token_s",
                     "tp_layer_forward_token_s", "tp_decode_layer_overhead_s", "decode_seq_s", "decode_layer_seq_s",
                     "generate_call_overhead_s", "generate_seq_overhead_s", "tp_decode_layer_seq_s",
-                    "tp_train_step_overhead_s", "tp_forward_overhead_s")
+                    "tp_train_step_overhead_s", "tp_forward_overhead_s", "tp_decode_step_overhead_s", "tp_decode_seq_s",
+                    "tp_generate_call_overhead_s", "tp_generate_seq_overhead_s", "train_head_token_s",
+                    "forward_head_token_s", "tp_train_head_token_s", "tp_forward_head_token_s", "head_reference_size")
+CURVE_FIELDS = ("layer_train_curve", "layer_forward_curve", "tp_layer_train_curve", "tp_layer_forward_curve")
+
+
+def check_curve(curve: Any, where: str) -> None:
+    """A measured curve: empty (not measured) or >= 2 (tokens, seconds) pairs, tokens rising."""
+    if curve == ():
+        return
+    ok = isinstance(curve, tuple) and len(curve) >= 2 and all(
+        isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, (int, float)) for x in p) and p[0] > 0 and p[1] >= 0
+        for p in curve)
+    if not ok or any(a[0] >= b[0] for a, b in zip(curve, curve[1:])):
+        raise ProfileError(f"{where} must be >= 2 [tokens, seconds] pairs with tokens > 0 and rising and "
+                           f"seconds >= 0, got {curve!r}")
+
+
+def curve_at(curve: Sequence[tuple[float, float]], x: float) -> float:
+    """The measured curve at ``x``: linear between its points, past either end its end segment's slope."""
+    i = 1
+    while i < len(curve) - 1 and x > curve[i][0]:
+        i += 1
+    (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+    return max(y0 + (x - x0) * (y1 - y0) / (x1 - x0), 0.0)
 
 
 def profile_from_dict(d: dict[str, Any], where: str = "profile") -> DeviceProfile:
@@ -145,7 +205,8 @@ def profile_from_dict(d: dict[str, Any], where: str = "profile") -> DeviceProfil
     if unknown:
         raise ProfileError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
     missing = sorted(f.name for f in fields(DeviceProfile)
-                     if f.name not in d and f.name not in ("params_bytes", "packed_attention", *LINK_FIELDS, *FRAMEWORK_FIELDS))
+                     if f.name not in d and f.name not in ("params_bytes", "packed_attention", *LINK_FIELDS,
+                                                           *FRAMEWORK_FIELDS, *CURVE_FIELDS))
     if missing:
         raise ProfileError(f"{where}: missing field(s) {missing}")
     d = dict(d)
@@ -156,6 +217,9 @@ def profile_from_dict(d: dict[str, Any], where: str = "profile") -> DeviceProfil
         if not isinstance(link, dict) or set(link) != {"alpha_s", "bandwidth"}:
             raise ProfileError(f"{where}: {name} must be {{alpha_s, bandwidth}}, got {link!r}")
         d[name] = LinkProfile(**link)
+    for name in CURVE_FIELDS:  # JSON lists -> tuples (a profile is frozen and hashable)
+        if isinstance(d.get(name), list):
+            d[name] = tuple(tuple(p) if isinstance(p, list) else p for p in d[name])
     prof = DeviceProfile(**d)
     prof.validate()
     return prof

@@ -116,6 +116,7 @@ def _works(plan: ExecutionPlan, workload: Workload, rollout: Any = None) -> dict
     gens = [m for m in plan.graph.mfcs if m.interface_type == ModelInterfaceType.GENERATE]
     generated = max((m.n_seqs * int(m.interface_args.get("n_samples", 1)) for m in gens), default=0)
     per_rollout = int((getattr(rollout, "agent_args", None) or {}).get("n_samples", 1)) if rollout is not None else 0
+    gen_group = max((int(m.interface_args.get("n_samples", 1)) for m in gens), default=1)  # answers per prompt
     out = {}
     for m in plan.graph.mfcs:
         kind = _KIND[m.interface_type]
@@ -131,7 +132,8 @@ def _works(plan: ExecutionPlan, workload: Workload, rollout: Any = None) -> dict
             out[m.name] = Work(kind, generated or m.n_seqs * per_rollout, workload.prompt_len + workload.gen_len_mean,
                                max_tokens_per_mb=mb or int(workload.max_tokens_per_mb),
                                updates=ups if kind == "train" else 1,
-                               seq_len_max=workload.prompt_len + workload.gen_len_max)
+                               seq_len_max=workload.prompt_len + workload.gen_len_max,
+                               seq_len_min=workload.prompt_len + 1, group=max(gen_group, per_rollout, 1))
         else:
             out[m.name] = Work(kind, m.n_seqs, workload.seq_len, max_tokens_per_mb=mb or int(workload.max_tokens_per_mb),
                                updates=ups if kind == "train" else 1, seq_len_max=workload.seq_len_max)

@@ -142,7 +142,12 @@ def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> di
             for n in DECODE_STEPS:
                 fns["gen", depth, b, n] = lambda gen=gen, b=b, n=n: gen.generate(
                     [prompt] * b, SamplingParams(max_new_tokens=n, ignore_eos=True))
-    times = _grid_median_s(fns, repeats, sync)
+    return fit_layout(_grid_median_s(fns, repeats, sync))
+
+
+def fit_layout(times: dict[tuple, float]) -> dict[str, Any]:
+    """The profile's fields from the timed grid (``("train" | "fwd", depth, tokens)`` and
+    ``("gen", depth, live sequences, steps)``)."""
     fwd = {(d, n): times["fwd", d, n] for d in DEPTHS for n in TOKENS}
     train = {(d, n): times["train", d, n] for d in DEPTHS for n in TOKENS}
     dec, call = {}, {}

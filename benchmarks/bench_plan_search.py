@@ -10,6 +10,8 @@ global strategy (one dp/tp/pp for every MFC; generation cannot pipeline, so pp =
 training strategy (the same, but generation folds pp into dp, as a Megatron user would write
 it). Goal: the best plan at least 1.2x faster than the best single global strategy, never slower.
 Where a global strategy does not fit at all, the speedup is unbounded ("none fits").
+Beside each, a lower bound on any plan's step (realflow.system.planner.bound): where the global
+strategy is within 1.2x of it, no plan can meet the goal there.
 """
 from __future__ import annotations
 
@@ -63,9 +65,13 @@ def run_case(case: Case, root: str):
     setup = parse_overrides(experiment_registry.get(case.experiment), [f"fileroot={root}", *case.overrides]).setup()
     roles = {r: load_model_config(case.critic if r == "critic" else case.actor)
              for r, spec in setup.models.items() if spec.backend != "none"}
+    from realflow.system.planner.bound import step_lower_bound
+
+    cluster, workload = parse_cluster(case.cluster), Workload(**case.workload)
     t0 = time.perf_counter()
-    result = search(setup, parse_cluster(case.cluster), roles, Workload(**case.workload))
-    return result, time.perf_counter() - t0
+    result = search(setup, cluster, roles, workload)
+    secs = time.perf_counter() - t0
+    return result, secs, step_lower_bound(result.best, setup, cluster, roles, workload)
 
 
 def _ratio(base, best) -> str:
@@ -83,27 +89,34 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix="bench_plan_search-")
     rows = []
     print(f"{'case':<22}{'cluster':<11}{'plans':>7}{'search s':>9}{'best s':>9}{'global s':>10}{'training s':>11}"
-          f"{'vs global':>11}{'vs training':>12}")
+          f"{'vs global':>11}{'vs training':>12}{'bound s':>9}{'global/bound':>13}")
     for case in cases():
         if case.name.split()[0] not in wanted:
             continue
-        res, secs = run_case(case, root)
+        res, secs, bound = run_case(case, root)
         g, t, b = res.best_global, res.best_training_strategy, res.best
         never_slower = all(x is None or b.step_s <= x.step_s * (1 + 1e-9) for x in (g, t))
-        rows.append((case, res, never_slower))
+        rows.append((case, res, never_slower, bound))
+        attainable = f"{g.step_s / bound.seconds:.2f}x" if g else "-"
         print(f"{case.name:<22}{case.cluster:<11}{res.evaluated:>7}{secs:>9.1f}{b.step_s:>9.2f}"
               f"{(f'{g.step_s:.2f}' if g else '-'):>10}{(f'{t.step_s:.2f}' if t else '-'):>11}"
-              f"{_ratio(g, b):>11}{_ratio(t, b):>12}", flush=True)
+              f"{_ratio(g, b):>11}{_ratio(t, b):>12}{bound.seconds:>9.2f}{attainable:>13}", flush=True)
     print()
-    for case, res, never_slower in rows:
+    for case, res, never_slower, bound in rows:
         gen = [m for m in res.best.mfcs if m.kind == "generate"]
         share = sum(m.end - m.start for m in gen) / res.best.step_s
         print(f"{case.name}: best {res.best.allocation}\n    generation {share:.0%} of the step; "
-              f"never slower than a global plan: {never_slower}")
-    met = [c.name for c, r, _ in rows if r.best_global is None or r.speedup_over_global >= GOAL]
+              f"never slower than a global plan: {never_slower}; no plan faster than {bound.seconds:.2f} s "
+              f"(chain {bound.chain_s:.2f} s, work {bound.work_s:.2f} s; best found {res.best.step_s / bound.seconds:.2f}x "
+              f"the bound)")
+    met = [c.name for c, r, _, _ in rows if r.best_global is None or r.speedup_over_global >= GOAL]
+    unattainable = [c.name for c, r, _, bd in rows
+                    if r.best_global is not None and r.best_global.step_s / bd.seconds < GOAL]
     print(f"\ngoal ({GOAL}x over the best single global strategy): met in {len(met)}/{len(rows)} cases "
-          f"({', '.join(met) or 'none'}); never slower in {sum(ns for _, _, ns in rows)}/{len(rows)}")
-    return 0 if all(ns for _, _, ns in rows) else 1
+          f"({', '.join(met) or 'none'}); never slower in {sum(ns for *_, ns, _ in rows)}/{len(rows)}")
+    print(f"unattainable by any plan (the global strategy within {GOAL}x of the lower bound): "
+          f"{len(unattainable)}/{len(rows)} ({', '.join(unattainable) or 'none'})")
+    return 0 if all(ns for *_, ns, _ in rows) else 1
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from realflow.api.experiment import experiment_registry
 from realflow.system.plan_types import ParamRealloc
 from realflow.system.planner.cluster import ClusterError, parse_cluster
 from realflow.system.planner.models import load_model_config
+from realflow.system.planner.bound import step_lower_bound
 from realflow.system.planner.search import NoPlanFits, exhaustive, search
 from realflow.system.planner.simulate import Workload, simulate
 
@@ -67,6 +68,10 @@ def test_search_finds_the_enumerated_optimum(tmp_path, exp, model, cluster, n):
     assert found.best.fits and found.best_global is not None
     assert found.best.step_s <= found.best_global.step_s  # never slower than one global strategy
     assert [p.step_s for p in found.ranked] == sorted(p.step_s for p in found.ranked)
+    # the lower bound holds for the enumerated optimum, and the generation alone is below it
+    bound = step_lower_bound(found.best, setup, cl, roles, LONG)
+    assert 0 < bound.seconds <= best.step_s * (1 + 1e-9)
+    assert bound.fastest["actor_gen"][1] <= bound.chain_s <= bound.seconds
 
 
 def test_when_no_global_strategy_fits_the_search_walks_to_a_plan_that_does(tmp_path):

@@ -110,7 +110,7 @@ def planned_setup(setup: ExperimentSetup, model_cfgs: dict[str, dict[str, Any]],
     return dataclasses.replace(setup, models=models, n_workers=cluster.n_devices, allocation=allocation)
 
 
-def _works(plan: ExecutionPlan, workload: Workload, rollout: Any = None) -> dict[str, Work]:
+def works_of(plan: ExecutionPlan, workload: Workload, rollout: Any = None) -> dict[str, Work]:
     """What each MFC processes. An asynchronous trainer's graph has no generate MFC: its MFCs
     take ``n_seqs`` rollouts of the rollout agent's ``n_samples`` generated sequences each."""
     gens = [m for m in plan.graph.mfcs if m.interface_type == ModelInterfaceType.GENERATE]
@@ -152,7 +152,7 @@ def simulate(setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str,
     alloc = setup.allocation if allocation is None else allocation
     ps = planned_setup(setup, model_cfgs, cluster, alloc)
     plan = compile_plan(ps, capacity_bytes=cluster.device.memory_bytes)
-    works = _works(plan, workload, setup.rollout)
+    works = works_of(plan, workload, setup.rollout)
     facts = {r: ModelFacts.from_hf(c) for r, c in model_cfgs.items()}
     backends = {r: model_backends.get(ps.models[r].backend)() for r in facts}
     low = cluster.device.params_bytes == 2

@@ -209,7 +209,9 @@ def async_root(tmp_path_factory) -> Path:
 def test_async_ppo_killed_mid_run_trains_no_rollout_twice_and_loses_none(async_root, victim):
     trial = victim.replace("/", "_")
     run_dir = async_root / "async-grpo-math" / trial
-    rc, out, _, _ = _run_with_fault(ASYNC, async_root, run_dir, victim, signal.SIGKILL, 5, f"trial_name={trial}",
+    # killed after step 3 of 9 (the point of step 2 is on disk): at ~10 steps/s a kill after step 5
+    # once let the master finish from its buffer before the death was seen (then nothing to relaunch)
+    rc, out, _, _ = _run_with_fault(ASYNC, async_root, run_dir, victim, signal.SIGKILL, 3, f"trial_name={trial}",
                                  "recover_freq_steps=2", "recover_freq_seconds=0")
     assert rc == 0, out[-3000:]
     assert f"worker '{victim}' was killed by SIGKILL" in out and "relaunching (1/3) from recover point of step" in out, out[-3000:]
@@ -229,6 +231,37 @@ def test_async_ppo_killed_mid_run_trains_no_rollout_twice_and_loses_none(async_r
     stats = [json.loads(line) for line in (run_dir / "stats.jsonl").read_text().splitlines()]
     stale = [r["async/offpolicy_head_max"] for r in stats if "async/offpolicy_head_max" in r]
     assert len(stale) == 9 and max(stale) <= 4, stale
+
+
+@pytest.mark.timeout(400)
+def test_a_worker_lost_as_the_run_finishes_relaunches_nothing(async_root):
+    """A rollout worker killed the moment the master records its finish: the run's results are
+    complete, so the launcher exits 0 (with a warning if it saw the death) and never starts it
+    again -- before, the recover points were cleared ahead of the finish record, and a death in
+    between retrained the run from the start."""
+    trial = "lost_at_finish"
+    run_dir = async_root / "async-grpo-math" / trial
+    console = async_root / f"console-{trial}.txt"
+    with open(console, "w") as out:
+        proc = subprocess.Popen(_cmd(ASYNC, async_root, f"trial_name={trial}", "recover_freq_steps=2",
+                                     "recover_freq_seconds=0"), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
+    progress = run_dir / "progress.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if progress.exists() and '"finish"' in progress.read_text():
+            pid = dict(re.findall(r"started worker (\S+) \(pid (\d+)", console.read_text())).get("rollout_worker/0")
+            if pid:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # already stopped by the launcher: the same outcome
+            break
+        time.sleep(0.005)
+    rc = proc.wait(timeout=120)
+    text = console.read_text()
+    assert rc == 0 and "relaunching" not in text, text[-3000:]
+    assert not (run_dir / "recover").exists()  # finished: a new launch of this trial starts fresh
+    assert not (run_dir / "logs" / "retry1").exists()
 
 
 @pytest.mark.timeout(400)

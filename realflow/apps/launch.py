@@ -282,6 +282,11 @@ def _follow(sched, view: "ConsoleView", setup) -> tuple[int, Optional[str]]:
         view.refresh()
         view.close()
         killed = {n: rc for n, rc in e.returncodes.items() if rc < 0}
+        if view.follower.summary is not None:  # the master had finished: the results are complete
+            lost = "; ".join(f"worker '{n}' {describe_exit(rc)}" for n, rc in e.returncodes.items())
+            print(f"warning: {lost} after the run finished; nothing to relaunch", file=sys.stderr)
+            _print_summary(view.follower.summary, setup.run_dir)
+            return 0, None
         fault = None
         if killed:
             fault = "; ".join(f"worker '{n}' {describe_exit(rc)}" for n, rc in killed.items())

@@ -154,7 +154,6 @@ class Master:
         summary["eval_after"] = self._evaluate()
         summary["checkpoints"] = self._save("final")
         self._all("finish", {}, 120.0)
-        self.recover.clear()  # finished: launching this trial again starts a new run
         if s.trace:
             trace_dir = os.path.join(s.run_dir, "trace")
             self.tracer.save(os.path.join(trace_dir, "master.json"))
@@ -163,6 +162,10 @@ class Master:
         self.stats.close()
         self.samples.close()
         self.progress.finish(summary)
+        # finished: launching this trial again starts a new run. After the finish record, not
+        # before: a worker lost in between would otherwise find the run neither finished nor
+        # resumable, and the launcher would retrain it from the start (seen in a test)
+        self.recover.clear()
         return summary
 
     # ---- recover points ---------------------------------------------------------

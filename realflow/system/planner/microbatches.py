@@ -23,6 +23,7 @@ seeded deals). Against PPO's actor_train on one worker here (two 64-sequence upd
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 from statistics import NormalDist
@@ -45,7 +46,8 @@ def synthetic_lengths(n: int, mean: float, longest: float, shortest: float) -> l
 DRAWS = 8  # random assignments of the lengths to samples, averaged over
 
 
-def micro_batch_shapes(work: Any, dp: int, pp: int, packed: bool) -> list[tuple[float, float, float]]:
+@functools.lru_cache(maxsize=4096)  # the search prices the same work on many layouts
+def micro_batch_shapes(work: Any, dp: int, pp: int, packed: bool) -> tuple[tuple[float, float, float], ...]:
     """``(weight, sequences, length each is computed at)`` of the micro-batches of one data-parallel
     rank's call (all its updates), the weights summing to its expected number of micro-batches.
     Packed attention: the token budget's equal split at the mean length, weight 1. Padded: the
@@ -58,19 +60,21 @@ def micro_batch_shapes(work: Any, dp: int, pp: int, packed: bool) -> list[tuple[
     if packed or longest <= work.seq_len:
         tokens = seqs * work.seq_len
         n_mbs = max(1, math.ceil(tokens / work.max_tokens_per_mb)) if work.max_tokens_per_mb else 1
-        return [(1.0, seqs / n_mbs, work.seq_len)] * (n_mbs * updates)
+        return ((1.0, seqs / n_mbs, work.seq_len),) * (n_mbs * updates)
     everything = synthetic_lengths(max(int(round(work.seqs)), 1), work.seq_len, longest, work.seq_len_min or 1.0)
     per_update = max(int(round(seqs)), 1)
     group = max(int(work.group), 1)
     out = []
-    deals = [(0.5, everything[::-1])]  # sorted: a prompt's answers alike (each update the next longest)
+    # (weight, lengths, in order): sorted -- a prompt's answers alike, every (dp x updates)-th to a
+    # rank's update; then the random deals, a contiguous share each
+    deals = [(0.5, everything[::-1], True)]
     for draw in range(DRAWS):
         dealt = list(everything)
         random.Random(draw).shuffle(dealt)
-        deals.append((0.5 / DRAWS, dealt))
-    for weight, dealt in deals:
+        deals.append((0.5 / DRAWS, dealt, False))
+    for weight, dealt, in_order in deals:
         for u in range(updates):
-            lengths = (dealt[u::updates * dp][:per_update] if weight == 0.5 else
+            lengths = (dealt[u::updates * dp][:per_update] if in_order else
                        dealt[u * per_update:(u + 1) * per_update]) or [work.seq_len]
             samples = [lengths[i:i + group] for i in range(0, len(lengths), group)]
             parts = padded_partition(samples, 1, work.max_tokens_per_mb) if work.max_tokens_per_mb \
@@ -79,4 +83,4 @@ def micro_batch_shapes(work: Any, dp: int, pp: int, packed: bool) -> list[tuple[
             for p in parts:
                 n = float(sum(len(samples[i]) for i in p))
                 out.append((weight, n, top if pp > 1 else max(max(samples[i]) for i in p)))
-    return out
+    return tuple(out)

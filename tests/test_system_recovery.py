@@ -183,7 +183,8 @@ def test_ppo_with_critic_and_reference_killed_mid_step_resumes_bit_identical(tmp
     rc, out, _, _ = _run_with_fault(PPO, tmp_path, run_dir, "model_worker/0", signal.SIGKILL, 5,
                                  "recover_freq_steps=3", "recover_freq_seconds=0")
     assert rc == 0, out[-3000:]
-    assert "relaunching (1/3) from recover point of step 3" in out, out[-3000:]
+    # killed once step 5 is logged: step 6 (a point, freq 3) may complete before the death is seen
+    assert re.search(r"relaunching \(1/3\) from recover point of step [36]\b", out), out[-3000:]
     for role in ("actor", "critic"):
         _assert_bit_identical(tmp_path / "ppo-math" / "reference" / "checkpoints" / role / "final",
                               run_dir / "checkpoints" / role / "final")

@@ -8,8 +8,9 @@ see :mod:`parallel.pipeline`); tensor parallelism runs with sequence parallelism
 Who gets what (``is_output_rank`` = last pipeline stage and tp rank 0, i.e. the
 data-parallel head of each dp replica, ``Layout.dp_head`` in the plan):
 
-* ``forward`` / ``logprobs`` / ``values`` return tensors on output ranks and
-  ``None`` on every other rank;
+* ``forward`` / ``logprobs`` / ``values`` return host tensors on output ranks and
+  ``None`` on every other rank (on a GPU the model's outputs are copied back once, as
+  the data layer holds host tensors);
 * ``train_batch`` returns the same stats dict on every rank of the model;
 * ``greedy_generate`` returns the new tokens on every rank of the replica;
 * ``save_hf`` / ``full_hf_state`` gather to one writer (dp 0, tp 0, pp 0).
@@ -60,6 +61,7 @@ from parallel.pipeline import (
 )
 from parallel.packing import check_packed
 from realflow.api.padded_partition import padded_partition
+from realflow.base.devices import to_device, to_host
 
 __all__ = ["MegatronEngine", "EngineOptimizerConfig", "TokenOutputs", "LossFn"]
 
@@ -229,8 +231,8 @@ class MegatronEngine:
         if not self.is_output_rank:
             return None
         if parts and isinstance(parts[0], tuple):
-            return tuple(torch.cat(p) for p in zip(*parts))
-        return torch.cat(parts)
+            return tuple(to_host(torch.cat(p)) for p in zip(*parts))
+        return to_host(torch.cat(parts))
 
     def dp_sum(self, values: list[float]) -> list[float]:
         """Sum ``values`` over this model's data-parallel group (identity when dp == 1)."""
@@ -315,7 +317,7 @@ class MegatronEngine:
                 return out.argmax()[ends]
 
             parts = self._infer(ids, lens, max_tokens_per_mb, last_argmax)
-            nxt = torch.cat(parts) if parts else torch.empty(len(active), dtype=torch.long)
+            nxt = to_host(torch.cat(parts)) if parts else torch.empty(len(active), dtype=torch.long)
             if self.groups.strategy.pp > 1:  # the last stage tells the others
                 src = self.groups.rank_at(dp=self.groups.dp_rank, tp=self.groups.tp_rank,
                                           pp=self.groups.strategy.pp - 1)
@@ -365,8 +367,8 @@ class MegatronEngine:
             for i, (ids, lens, extra) in enumerate(micro_batches):
                 lens = [int(n) for n in lens]
                 check_packed(ids, lens, what=f"micro_batches[{i}].input_ids")
-                mbs.append(MicroBatch(ids, lens, extra))
                 weights.append(float(loss_weight_fn(extra)))
+                mbs.append(MicroBatch(ids, lens, to_device(extra, self.device)))  # once, not per use
         except (ValueError, TypeError) as e:
             problem = str(e)
         problem = self._check_replica_agrees(mbs, problem)

@@ -1,4 +1,4 @@
-"""Run test cases on a real multi-process gloo group (CPU, 127.0.0.1).
+"""Run test cases on a real multi-process group (gloo on CPU, 127.0.0.1; NCCL beside it on GPUs).
 
 Starting processes and importing megatron costs seconds, so a test module
 starts ONE group and runs all its cases in it::
@@ -58,7 +58,10 @@ def _worker(rank: int, world: int, store: str, cases: list[str], out_dir: str,
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+    from realflow.base.devices import distributed_backend, select_device
+
+    select_device(rank)
+    dist.init_process_group(distributed_backend(), init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=pg_timeout))
     ctx = CaseContext(rank, world, os.path.dirname(store))
     results: dict[str, Any] = {}
@@ -97,13 +100,21 @@ def _worker(rank: int, world: int, store: str, cases: list[str], out_dir: str,
 
 
 def run_cases(cases: list[str], world_size: int, timeout: float = 240.0,
-              pg_timeout: float = 60.0, pythonpath: Optional[list[str]] = None
-              ) -> dict[str, CaseResult]:
-    """Run ``module:function`` cases on ``world_size`` gloo ranks; results by case name."""
+              pg_timeout: float = 60.0, pythonpath: Optional[list[str]] = None,
+              env: Optional[dict[str, str]] = None) -> dict[str, CaseResult]:
+    """Run ``module:function`` cases on ``world_size`` ranks (gloo; with NCCL beside it on
+    GPUs, rank r on GPU r); results by case name.  ``env`` is added to the ranks'
+    environment (``CUDA_VISIBLE_DEVICES=""`` runs a CPU reference on a GPU host)."""
     tmp = tempfile.mkdtemp(prefix="rf_gloo_")
     store = os.path.join(tmp, "store")
+    extra_env = dict(env or {})
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+        # NCCL refuses two ranks on one GPU: a group larger than the host's GPUs runs on CPU
+        extra_env.setdefault("CUDA_VISIBLE_DEVICES", "")
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               MASTER_ADDR="127.0.0.1", PYTHONWARNINGS="ignore")
+               MASTER_ADDR="127.0.0.1", PYTHONWARNINGS="ignore", **extra_env)
     extra = list(pythonpath or []) + [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
     env["PYTHONPATH"] = os.pathsep.join(extra + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     procs = []

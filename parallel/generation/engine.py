@@ -33,6 +33,7 @@ from parallel.generation.sampler import SampleBatch, sample
 from parallel.generation.weights import (DecoderWeights, ModelSpec, load_hf_weights,
                                          mcore_from_hf_tensors)
 from realflow.api.generation import GenerationFailed, GenerationResult, SamplingParams, validate_input_ids
+from realflow.base.devices import worker_device
 
 __all__ = ["EngineConfig", "GenerationEngine"]
 
@@ -147,8 +148,10 @@ class GenerationEngine:
     @classmethod
     def from_hf(cls, path: str, config: Optional[EngineConfig] = None, *,
                 tp_group: Optional[dist.ProcessGroup] = None, tokenizer: Any = "auto",
-                dtype: torch.dtype = torch.float32, version: int = 0) -> "GenerationEngine":
-        """Load this tp rank's shard of an HF checkpoint directory (and its tokenizer if any)."""
+                dtype: torch.dtype = torch.float32, version: int = 0,
+                device: Optional[torch.device] = None) -> "GenerationEngine":
+        """Load this tp rank's shard of an HF checkpoint directory (and its tokenizer if any)
+        onto ``device`` (default: this process's GPU if it has one, else the CPU)."""
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(path)
@@ -156,7 +159,11 @@ class GenerationEngine:
         spec = ModelSpec.from_hf(hf_config, tp_rank, tp_size)
         if tokenizer == "auto":
             tokenizer = _try_tokenizer(path)
-        return cls(hf_config, load_hf_weights(path, hf_config, spec, dtype), config,
+        weights = load_hf_weights(path, hf_config, spec, dtype)
+        target = worker_device() if device is None else torch.device(device)
+        if target.type != "cpu":
+            weights = {k: v.to(target) for k, v in weights.items()}
+        return cls(hf_config, weights, config,
                    tp_group=tp_group, tokenizer=tokenizer, version=version)
 
     @classmethod
@@ -308,7 +315,7 @@ class GenerationEngine:
         fresh: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name, cur in self.weights.tensors.items():
-                t = local.get(name, cur).to(self.weights.dtype)
+                t = local.get(name, cur).to(device=self.weights.device, dtype=self.weights.dtype)
                 if t.untyped_storage().data_ptr() in borrowed or not t.is_contiguous():
                     t = t.clone(memory_format=torch.contiguous_format)
                 fresh[name] = t

@@ -44,6 +44,7 @@ from parallel.realloc.routes import Routes, routes_for
 from parallel.realloc.segments import Segment, create_segment, open_segment, unlink_segment
 from parallel.realloc.spec import LocalShard
 from parallel.realloc.sync import Barrier, _next_id, default_store
+from realflow.base.devices import worker_device
 
 __all__ = ["ReallocResources", "prepare_reallocation", "reallocate", "Module"]
 
@@ -228,14 +229,16 @@ def reallocate(plan: ReallocPlan, resources: ReallocResources, src: Optional[Mod
     r = res.routes
     deadline = time.monotonic() + timeout
     recvs, sends = {}, []
+    wire = worker_device()  # both ends agree: NCCL between GPUs, gloo between CPU workers
     with torch.no_grad():
         try:
             for peer, copies in r.recvs.items():  # 1. post receives
                 n = sum(_rows_numel(plan, c) for c in copies)
-                buf = torch.empty(n, dtype=plan.src_dtype)
+                buf = torch.empty(n, dtype=plan.src_dtype, device=wire)
                 recvs[peer] = (buf, dist.irecv(buf, src=peer, group=g, tag=_DATA_TAG))
             for peer, copies in r.sends.items():  # 2. pack and send
-                buf = torch.cat([src_t[c.name].narrow(c.dim, c.src_lo, c.n).reshape(-1) for c in copies])
+                buf = torch.cat([src_t[c.name].narrow(c.dim, c.src_lo, c.n).reshape(-1).to(wire)
+                                 for c in copies])
                 sends.append((peer, buf, dist.isend(buf, dst=peer, group=g, tag=_DATA_TAG)))
                 stats["p2p_send_bytes"] += buf.numel() * buf.element_size()
             for b in r.blobs:  # 3. same-host blobs, written once for all readers

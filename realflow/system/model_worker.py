@@ -24,6 +24,7 @@ from realflow.api.experiment import ExperimentSetup
 from realflow.api.interface import make_interface
 from realflow.api.mfc import MFCDef, ModelInterfaceType
 from realflow.base import names
+from realflow.base.devices import distributed_backend, select_device
 from realflow.base.logging import get_logger
 from realflow.base.network import host_address, interface_of
 from realflow.base.output_paths import ensure_inside, output_root
@@ -344,9 +345,14 @@ class ModelWorker:
 
     # ---- internals --------------------------------------------------------------
     def _init_distributed(self) -> None:
-        """Join the gloo world of all model workers; worker 0 publishes the rendezvous."""
+        """Join the world of all model workers; worker 0 publishes the rendezvous.
+
+        gloo on CPU; on GPUs this worker is bound to its device first and the groups
+        carry NCCL for CUDA tensors beside gloo for host ones (realflow.base.devices).
+        """
         if dist.is_initialized():
             return
+        select_device(self.index)
         key = names.distributed_address(self.setup.experiment_name, self.setup.trial_name)
         timeout = datetime.timedelta(seconds=self.setup.setup_timeout_s)
         if self.index == 0:
@@ -361,7 +367,7 @@ class ModelWorker:
             iface = interface_of(host_address())
             if iface is not None:
                 os.environ["GLOO_SOCKET_IFNAME"] = iface
-        dist.init_process_group(backend="gloo", store=store, rank=self.index,
+        dist.init_process_group(backend=distributed_backend(), store=store, rank=self.index,
                                 world_size=self.setup.n_workers, timeout=timeout)
 
     def _load_data(self) -> int:

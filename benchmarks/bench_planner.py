@@ -18,6 +18,9 @@ single steps by up to +-30% (a tensor-parallel decode waits on the other process
 layer), so the median of 27 steps is steady within a run; but two identical runs started
 minutes apart differ by 10-15% as a whole (seen: GRPO d2 192 vs 170 ms, same lengths), so one
 run per allocation leaves the verdict to chance.
+
+``--gpu``: the same check on one GPU (one worker, bf16 by the default precision): SFT and GRPO
+at d1 on a wider model (hidden 1024, 8 layers), calibrated with ``--world 1``.
 """
 from __future__ import annotations
 
@@ -34,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks._realflow_steps import REPO, run_job  # noqa: E402
 
 ARCH = ["model.arch.num_hidden_layers=4"]  # 4 layers: p2 splits them evenly
+GPU_ARCH = ["model.arch.hidden_size=1024", "model.arch.num_hidden_layers=8", "model.arch.num_attention_heads=16",
+            "model.arch.num_key_value_heads=4", "model.arch.intermediate_size=2816"]
 SFT_RUNS = ["d2", "d1t2", "d1p2"]
 GRPO_RUNS = ["d2", "d1t2", "actor_train:d1p2,*:d2", "actor_train:d1t2,*:d2", "actor_gen:d1t2,*:d2"]
 # PPO with a critic and a reference: all on both workers, then the actor's and the critic's MFCs
@@ -80,19 +85,29 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--passes", type=int, default=2, help="runs of every allocation (whole passes, interleaved)")
     ap.add_argument("--root", default="")
+    ap.add_argument("--profile", default="", help="a measured profile to use (default: calibrate first)")
+    ap.add_argument("--gpu", action="store_true", help="one GPU worker: SFT and GRPO at d1 (see above)")
     args = ap.parse_args()
     root = args.root or tempfile.mkdtemp(prefix="bench_planner-")
-    profile = os.path.join(root, "device_profile.json")
-    res = subprocess.run([sys.executable, "-m", "realflow.apps.main", "calibrate", "--out", profile], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
-    if res.returncode != 0:
-        sys.exit(f"calibration failed:\n{res.stderr[-3000:]}")
+    profile = args.profile or os.path.join(root, "device_profile.json")
+    if not args.profile:
+        world = ["--world", "1"] if args.gpu else []
+        res = subprocess.run([sys.executable, "-m", "realflow.apps.main", "calibrate", "--out", profile, *world],
+                             cwd=REPO, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            sys.exit(f"calibration failed:\n{res.stderr[-3000:]}")
     print(f"profile: {profile}")
-    start = os.path.join(root, "sft", "sft-d2", "checkpoints", "default", "final")  # pass 1's sft d2
-    grpo_common = [f"model.path={start}", "batch_size=32", "ppo.n_samples=4", "dataset.n_test=16", "eval_n_samples=1"]
+    arch, sft_runs, grpo_runs, ppo_runs, first = ARCH, SFT_RUNS, GRPO_RUNS, PPO_RUNS, "sft-d2"
+    if args.gpu:
+        arch = GPU_ARCH
+        sft_runs, grpo_runs, ppo_runs, first = ["d1"], ["d1"], [], "sft-d1"
+    start = os.path.join(root, "sft", first, "checkpoints", "default", "final")  # pass 1's first sft run
+    workers = ["n_workers=1"] if args.gpu else []
+    grpo_common = [*workers, f"model.path={start}", "batch_size=32", "ppo.n_samples=4", "dataset.n_test=16",
+                   "eval_n_samples=1"]
     ppo_common = [*grpo_common, "ppo.kl_coef=0.05"]
-    runs = [("sft", a, [*ARCH, "batch_size=64"]) for a in SFT_RUNS] + [("grpo", a, grpo_common) for a in GRPO_RUNS] \
-        + [("ppo", a, ppo_common) for a in PPO_RUNS]
+    runs = [("sft", a, [*workers, *arch, "batch_size=64"]) for a in sft_runs] \
+        + [("grpo", a, grpo_common) for a in grpo_runs] + [("ppo", a, ppo_common) for a in ppo_runs]
     passes: dict[tuple[str, str], list[list[dict]]] = {(e, a): [] for e, a, _ in runs}
     for p in range(args.passes):  # whole passes, so a slow minute of the host touches every allocation alike
         for exp, alloc, common in runs:

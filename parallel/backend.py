@@ -14,6 +14,7 @@ from typing import Any, Optional
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.backend import LayoutError, register_backend
 from realflow.api.layout import Layout
+from realflow.base.devices import resolve_precision
 
 from parallel.engine import MegatronEngine
 from parallel.groups import ModelGroups, build_model_groups
@@ -46,7 +47,7 @@ class MegatronBackend:
         if spec.optimizer is not None:
             opt = EngineOptimizerConfig.for_run(spec.optimizer, spec.total_train_steps)
         return MegatronEngine(spec.path, groups, spec.path if load_weights else None, opt, seed,
-                              config_overrides=spec.backend_args.get("config_overrides"),
+                              config_overrides=_config_overrides(spec),
                               attention=spec.backend_args.get("attention", "sdpa"),
                               critic=bool(spec.backend_args.get("critic", False)))
 
@@ -148,7 +149,7 @@ class MegatronBackend:
         if layers % pp:
             raise LayoutError(f"{what}: pp={pp} does not divide num_hidden_layers={layers} "
                               f"(megatron needs the same number of layers on every stage)")
-        overrides = spec.backend_args.get("config_overrides") or {}
+        overrides = _config_overrides(spec)
         params, need = estimate_rank_bytes(cfg, strategy, trained, _low_precision(overrides))
         if capacity_bytes is None:
             have, where = _memory_per_worker(n_workers_per_host)
@@ -208,6 +209,17 @@ def _model_desc(cfg: dict[str, Any]) -> str:
     return (f"{cfg.get('model_type')}, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
             f"{cfg['num_attention_heads']} heads / {cfg.get('num_key_value_heads') or cfg['num_attention_heads']} "
             f"KV heads, vocab {'of the tokenizer' if cfg.get('vocab_size_unknown') else cfg['vocab_size']}")
+
+
+def _config_overrides(spec: Any) -> dict[str, Any]:
+    """The TransformerConfig overrides of ``spec``: its precision's, then its own (which win)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    if resolve_precision(getattr(spec, "precision", "auto")) == "bf16":
+        out.update(bf16=True, params_dtype=torch.bfloat16)
+    out.update(spec.backend_args.get("config_overrides") or {})
+    return out
 
 
 def _low_precision(overrides: dict[str, Any]) -> bool:

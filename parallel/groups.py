@@ -22,10 +22,12 @@ are not in ``ranks`` get ``ModelGroups(is_member=False)``.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 from realflow.api.allocation import ParallelStrategy
@@ -106,6 +108,21 @@ def _check(ranks: list[int], strategy: ParallelStrategy, world: int) -> None:
         raise ValueError(f"build_model_groups: ranks {bad} outside the default group (size {world})")
 
 
+# torch < 2.13 has no sort_ranks: it orders every group's ranks, which is right only for
+# member lists that are sorted already (the pinned torch is 2.13; GPU images may carry older)
+_KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
+
+
+def _new_group(members: list[int], timeout: Optional[timedelta], desc: str) -> dist.ProcessGroup:
+    """``dist.new_group`` keeping ``members`` in the given order (group rank i = members[i])."""
+    if _KEEPS_ORDER:
+        return dist.new_group(members, timeout=timeout, sort_ranks=False, group_desc=desc)
+    if list(members) != sorted(members):
+        raise RuntimeError(f"process group {members} ({desc}) must keep its rank order, which needs "
+                           f"torch >= 2.13 (new_group(sort_ranks=False)); this torch is {torch.__version__}")
+    return dist.new_group(members, timeout=timeout, group_desc=desc)
+
+
 def build_model_groups(
     ranks: list[int], strategy: ParallelStrategy, timeout: Optional[timedelta] = None
 ) -> ModelGroups:
@@ -131,10 +148,7 @@ def build_model_groups(
         for members in members_list:
             key = tuple(members)
             if key not in created:  # same ranks, same order -> share the group
-                created[key] = dist.new_group(
-                    members, timeout=timeout, sort_ranks=False,
-                    group_desc=f"realflow_{kind}",
-                )
+                created[key] = _new_group(members, timeout, f"realflow_{kind}")
             if me in members:
                 mine = created[key]
         return mine

@@ -76,6 +76,8 @@ class ModelSpec:
     backend: str = "megatron"
     total_train_steps: int = 0  # set by the runtime once the data is counted
     backend_args: dict[str, Any] = field(default_factory=dict)
+    #: parameters' precision: auto (the run's ``precision``) | fp32 | bf16 (realflow.base.devices)
+    precision: str = "auto"
     #: the HF config (as a dict) the checkpoint at ``path`` will have once ``prepare()`` made it,
     #: so that layouts are checked before a slow preparation (e.g. training the SFT start)
     expected_config: Optional[dict[str, Any]] = None
@@ -138,6 +140,7 @@ class ExperimentSetup:
     mfc_timeout_s: float = 1800.0
     heartbeat_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
+    precision: str = "auto"  # of every model whose own is auto: auto (bf16 on GPUs, fp32 on CPUs) | fp32 | bf16
     group_filter: Optional[GroupFilterSpec] = None  # dynamic sampling (synchronous runs)
     on_nonfinite: str = "stop"  # a train step with a non-finite loss or gradient: stop | skip (its update)
     max_nonfinite_skips: int = 3  # skip mode: consecutive skipped steps before the run stops
@@ -165,6 +168,10 @@ class ExperimentSetup:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r} must be 'stop' or 'skip'")
         if not isinstance(self.max_nonfinite_skips, int) or self.max_nonfinite_skips < 0:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips!r} must be an integer >= 0")
+        for what, value in [("precision", self.precision)] + [(f"model {r!r} precision", m.precision)
+                                                               for r, m in self.models.items()]:
+            if value not in ("auto", "fp32", "bf16"):
+                raise ValueError(f"{what}={value!r} must be auto, fp32 or bf16")
 
     def name_resolve_config(self) -> dict[str, Any]:
         """The name-resolution config every process of this run uses (the file backend
@@ -217,6 +224,9 @@ class BaseExperimentConfig:
         "help": "parallel strategy, e.g. d2 ('' = dN over all workers; auto = the planner's best for this machine)"})
     worker_threads: int = field(default=1, metadata={"help": "torch threads per model worker process"})
     trace: bool = field(default=True, metadata={"help": "write a Perfetto/Chrome timeline trace per process"})
+    precision: str = field(default="auto", metadata={
+        "help": "model parameters and generation: auto = bf16 on GPUs (fp32 master weights and gradients in "
+                "the optimizer), fp32 on CPUs | fp32 | bf16"})
     name_resolve: NameResolveConfig = field(default_factory=NameResolveConfig)
     launcher: str = field(default="local", metadata={"help": "local | slurm | ray: where the processes run"})
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
@@ -269,7 +279,9 @@ class BaseExperimentConfig:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r} must be 'stop' or 'skip'")
         if self.max_nonfinite_skips < 0:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 0")
-        return dict(
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"precision={self.precision!r} must be auto, fp32 or bf16")
+        return dict(precision=self.precision,
             on_nonfinite=self.on_nonfinite, max_nonfinite_skips=self.max_nonfinite_skips,
             seed=self.seed, name_resolve=dataclasses.asdict(self.name_resolve), worker_threads=self.worker_threads,
             trace=self.trace, heartbeat_timeout_s=self.heartbeat_timeout_s,

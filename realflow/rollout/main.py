@@ -46,11 +46,19 @@ def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     from realflow.api.generation import BackendConfig, generation_backends
     from realflow.rollout.gen_server import GenServer, build_app, serve
 
+    from realflow.base.devices import resolve_precision, select_device
+
     spec = setup.rollout
     assert spec is not None
     import_modules(spec.backend_imports)
+    # on one GPU host the model workers take GPUs 0..n_workers-1, the servers the ones after
+    # (LOCAL_RANK / SLURM_LOCALID, where a scheduler sets them, win)
+    select_device(setup.n_workers + index)
+    own = [m.precision for m in setup.models.values() if m.path == spec.model_path and m.precision != "auto"]
+    precision = resolve_precision(own[0] if own else setup.precision)  # the served model's, as it trains
     cfg = BackendConfig(model_path=spec.model_path, tokenizer_path=spec.tokenizer_path,
-                        max_running_requests=spec.max_running_requests, seed=spec.seed * 1000 + index)
+                        max_running_requests=spec.max_running_requests, seed=spec.seed * 1000 + index,
+                        dtype="bfloat16" if precision == "bf16" else "float32")
     backend = generation_backends.get(spec.backend)(cfg)
     resolver = make_name_resolver(setup.name_resolve_config())
     key = names.gen_server_address(setup.experiment_name, setup.trial_name, index)

@@ -67,6 +67,8 @@ class ModelStore:
                 continue
             home = layout == self.plan.role_home[role]
             spec = self.setup.models[role]
+            if spec.precision == "auto":  # a model's own precision, else the run's
+                spec = dataclasses.replace(spec, precision=self.setup.precision)
             if not home:
                 spec = dataclasses.replace(spec, optimizer=None)
             elif spec.optimizer is not None:

@@ -9,7 +9,9 @@
 #    run on the GPU unchanged when one is visible;
 # 3. `realflow calibrate` on the GPU: the measured profile to hold against the shipped one built
 #    from published figures (python -m benchmarks.compare_profiles <measured.json>).
-# Every step has its own time limit (seconds: CUDA_TESTS_S, PARITY_TESTS_S, CALIBRATE_S).
+# 4. benchmarks/bench_planner.py --gpu with that profile: the planner's predicted step against
+#    the measured one for SFT and GRPO on one GPU (BENCH_S=0 skips it).
+# Every step has its own time limit (seconds: CUDA_TESTS_S, PARITY_TESTS_S, CALIBRATE_S, BENCH_S).
 set -u -o pipefail
 OUT=${OUT:-device_check_out}
 mkdir -p "$OUT"
@@ -36,3 +38,9 @@ start=$(date +%s)
 timeout "${CALIBRATE_S:-120}" $PY -m realflow.apps.main calibrate ${CALIBRATE_ARGS:---quick --world $($PY -c "import torch; print(max(torch.cuda.device_count(), 1))")} --out "$OUT/profile.json" \
     2>&1 | tee "$OUT/calibrate.log"
 echo "calibrate: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.log"
+if [ "${BENCH_S:-300}" != 0 ] && [ -f "$OUT/profile.json" ]; then
+    start=$(date +%s)
+    timeout "${BENCH_S:-300}" $PY benchmarks/bench_planner.py --gpu --profile "$OUT/profile.json" \
+        --steps "${BENCH_STEPS:-12}" --passes 1 --root "${TMPDIR:-/tmp}/bench_planner_gpu" 2>&1 | tee "$OUT/bench_planner_gpu.log"
+    echo "bench_planner --gpu: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.log"
+fi

@@ -118,7 +118,11 @@ def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> di
     from parallel.optim import EngineOptimizerConfig
     from realflow.api.generation import SamplingParams
 
+    from realflow.base.devices import resolve_precision
+
     groups = build_model_groups(list(range(strategy.world_size)), strategy)
+    # the precision a run uses by default here (bf16 on GPUs): the costs it will see
+    low = {"bf16": True, "params_dtype": torch.bfloat16} if resolve_precision("auto") == "bf16" else None
     batches = {}
     for n in TOKENS:  # each data-parallel rank its own batch
         ids = torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(n + groups.dp_rank))
@@ -132,7 +136,7 @@ def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> di
     fns: dict[tuple, Callable[[], Any]] = {}
     for depth in DEPTHS:
         eng = MegatronEngine(dict(TINY, num_hidden_layers=depth), groups, None,
-                             EngineOptimizerConfig(lr=1e-5, total_train_steps=1000), seed=1)
+                             EngineOptimizerConfig(lr=1e-5, total_train_steps=1000), seed=1, config_overrides=low)
         for n, (t, lens) in batches.items():
             fns["fwd", depth, n] = lambda eng=eng, t=t, lens=lens: eng.logprobs(t, lens)
             fns["train", depth, n] = lambda eng=eng, t=t, lens=lens: eng.train_batch(

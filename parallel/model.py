@@ -43,7 +43,9 @@ class RMSNorm(torch.nn.RMSNorm):
     mark_sequence_parallel = True
 
     def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_unused: Any) -> None:
-        super().__init__(hidden_size, eps=eps)
+        # in the parameters' dtype, as megatron's own modules (bf16 runs: every weight bf16, so the
+        # generation engine sharing them computes in one dtype; fp32 masters live in the optimizer)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         if config.sequence_parallel and self.mark_sequence_parallel:
             self.weight.sequence_parallel = True
 

@@ -1,8 +1,9 @@
 """Where a worker's tensors live: its GPU when there is one, else the CPU.
 
-One module decides the three things that differ between a GPU and a CPU worker,
-so the engine, the workers and the test harness agree:
+One module decides what differs between a GPU and a CPU worker, so the engine, the
+workers, the gen servers and the test harness agree:
 
+* :func:`resolve_precision` -- ``precision=auto`` is bf16 parameters on GPUs, fp32 on CPUs;
 * :func:`distributed_backend` -- ``"cpu:gloo,cuda:nccl"`` on GPUs (torch then sends a
   collective on CUDA tensors through NCCL and one on host tensors through gloo, in the
   same process groups), plain ``"gloo"`` without CUDA.  The control messages every
@@ -21,11 +22,12 @@ so the engine, the workers and the test harness agree:
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-__all__ = ["PRECISIONS", "resolve_precision", "distributed_backend", "select_device", "worker_device", "to_device", "to_host", "local_index"]
+__all__ = ["PRECISIONS", "resolve_precision", "distributed_backend", "select_device", "worker_device",
+           "to_device", "to_host", "local_index"]
 
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -84,7 +86,9 @@ def to_device(obj: Any, device: torch.device) -> Any:
         return obj if obj.device == device else obj.to(device, non_blocking=device.type == "cuda")
     if isinstance(obj, dict):
         return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return obj._make(to_device(v, device) for v in obj)
+    if isinstance(obj, (list, tuple)):
         return type(obj)(to_device(v, device) for v in obj)
     return obj
 
@@ -93,9 +97,3 @@ def to_host(obj: Any) -> Any:
     """``obj`` with every tensor in host memory (see :func:`to_device`)."""
     return to_device(obj, torch.device("cpu"))
 
-
-def device_of(module: torch.nn.Module) -> Optional[torch.device]:
-    """The device of a module's first parameter (None for a module without any)."""
-    for p in module.parameters():
-        return p.device
-    return None

@@ -44,9 +44,8 @@ def _setup(experiment: str, overrides: list[str]) -> ExperimentSetup:
 
 def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     from realflow.api.generation import BackendConfig, generation_backends
-    from realflow.rollout.gen_server import GenServer, build_app, serve
-
     from realflow.base.devices import resolve_precision, select_device
+    from realflow.rollout.gen_server import GenServer, build_app, serve
 
     spec = setup.rollout
     assert spec is not None

@@ -201,3 +201,16 @@ def test_a_padded_engine_pays_for_the_batchs_longest_sequence(tmp_path):
             assert ragged.step_s == pytest.approx(even.step_s)
     with pytest.raises(ValueError, match="seq_len_max=100.0 < seq_len=256"):
         Workload(seq_len=256, seq_len_max=100.0)
+
+
+def test_a_precision_the_profile_does_not_price_is_refused(tmp_path):
+    from realflow.system.plan_types import PlanError
+
+    cl = parse_cluster("16xh100")  # a bf16 profile
+    bf16 = _setup("grpo-math", tmp_path, "batch_size=64", "precision=bf16")
+    auto = _setup("grpo-math", tmp_path, "batch_size=64")
+    roles = _roles(auto, "qwen2.5-7b")
+    assert simulate(bf16, cl, roles, LONG, "d4t4").step_s == simulate(auto, cl, roles, LONG, "d4t4").step_s
+    fp32 = _setup("grpo-math", tmp_path, "batch_size=64", "precision=fp32")
+    with pytest.raises(PlanError, match=r"model 'actor': precision=fp32, but device profile 'h100' prices bf16"):
+        simulate(fp32, cl, roles, LONG, "d4t4")

@@ -78,9 +78,11 @@ def test_shipped_profiles_are_published_and_ordered():
     assert {"h100", "h200", "a100", "cpu-example"} <= set(shipped_profiles())
     h100, h200, a100 = (load_profile(n) for n in ("h100", "h200", "a100"))
     for p in (h100, h200, a100):
-        assert p.source.startswith("published: ") and "datasheet" in p.source and "assumed" in p.source
+        assert p.source.startswith("published: ") and "datasheet" in p.source
         assert p.params_bytes == 2
         assert p.link("p2p") is p.intra_node and p.link("all_gather") is p.intra_node
+    assert "assumed" in a100.source  # its sustained fractions; the Hopper ones were checked on an H200
+    assert all("sustained rates checked on one H200" in p.source for p in (h100, h200))
     assert h200.memory_bytes > h100.memory_bytes >= a100.memory_bytes
     assert h100.matmul_flops > a100.matmul_flops and h200.matmul_flops == h100.matmul_flops
     assert h200.memory_bandwidth > h100.memory_bandwidth > a100.memory_bandwidth

@@ -20,7 +20,7 @@ from realflow.api.backend import model_backends
 from realflow.api.experiment import ExperimentSetup
 from realflow.api.mfc import ModelInterfaceType
 from realflow.system.plan import ExecutionPlan, compile_plan
-from realflow.system.plan_types import Offload, ParamRealloc, Reload
+from realflow.system.plan_types import Offload, ParamRealloc, PlanError, Reload
 from realflow.system.planner.cluster import ClusterSpec
 from realflow.system.planner.cost import Cost, ModelFacts, Work, activation_bytes, mfc_cost, p2p_s
 
@@ -97,15 +97,20 @@ class Prediction:
 def planned_setup(setup: ExperimentSetup, model_cfgs: dict[str, dict[str, Any]], cluster: ClusterSpec,
                   allocation: str) -> ExperimentSetup:
     """``setup`` on ``cluster``'s devices with ``allocation``, its models described by ``model_cfgs``
-    (role -> HF config; roles not named keep their own) and in the cluster's training dtype."""
+    (role -> HF config; roles not named keep their own) and in the cluster's training dtype (the
+    profile's: bf16 on GPUs, fp32 on CPUs); a model asked to train in another one is refused, as
+    the profile's rates would not be its rates."""
+    dtype = "bf16" if cluster.device.params_bytes == 2 else "fp32"
     models = {}
     for role, spec in setup.models.items():
         if role in model_cfgs and spec.backend != "none":
-            args = dict(spec.backend_args)
-            if cluster.device.params_bytes == 2:
-                args["config_overrides"] = {**(args.get("config_overrides") or {}), "bf16": True}
+            wanted = spec.precision if spec.precision != "auto" else setup.precision
+            if wanted not in ("auto", dtype):
+                raise PlanError(f"model {role!r}: precision={wanted}, but device profile {cluster.device.name!r} "
+                                f"prices {dtype} parameters; plan with precision=auto or {dtype}, or with a "
+                                f"profile measured for {wanted}")
             spec = dataclasses.replace(spec, path=f"<planned:{role}>", expected_config=dict(model_cfgs[role]),
-                                       backend_args=args)
+                                       precision=dtype)
         models[role] = spec
     return dataclasses.replace(setup, models=models, n_workers=cluster.n_devices, allocation=allocation)
 

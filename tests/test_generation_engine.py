@@ -422,3 +422,28 @@ def case_tp(ctx):
     after = tp2.generate([prompts[2]], greedy(10))[0]
     assert after.output_ids == hf_greedy(mb, prompts[2], 10)
     return {"tp2": [r.output_ids for r in out2], "after": after.output_ids}
+
+
+def test_kv_cache_shrinks_to_the_memory_it_may_take(ckpts, monkeypatch, caplog):
+    import parallel.generation.engine as engine_mod
+    from parallel.generation.kv_budget import slot_bytes
+
+    path, model = ckpts["qwen2"]
+    cfg = model.config
+    per_slot = slot_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                          cfg.hidden_size // cfg.num_attention_heads, 64, torch.float32)
+    monkeypatch.setattr(engine_mod, "free_bytes", lambda device: 3 * per_slot * 2)  # fraction 0.5: 3 slots
+    with caplog.at_level("WARNING", logger="realflow.generation"):
+        eng = _engine(path, max_running_requests=8, max_seq_len=64, kv_cache_memory_fraction=0.5)
+    assert eng.config.max_running_requests == 3 and eng.cache.slots == 3
+    kv = eng.cache.kt.numel() * eng.cache.kt.element_size() + eng.cache.v.numel() * eng.cache.v.element_size()
+    assert kv == 3 * per_slot  # the budget counts what the cache allocates
+    assert "running 3 sequences at a time instead" in caplog.text
+    res = eng.generate(PROMPTS[:5], greedy(6))  # 5 requests through 3 slots: all answered, all exact
+    assert [r.output_ids for r in res] == [hf_greedy(model, p, 6) for p in PROMPTS[:5]]
+
+    monkeypatch.setattr(engine_mod, "free_bytes", lambda device: per_slot // 2)
+    with pytest.raises(ValueError, match=r"one slot needs .* GiB .*lower max_seq_len"):
+        _engine(path, max_running_requests=8, max_seq_len=64)
+    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction=1.5: must be in \[0, 1\]"):
+        _engine(path, kv_cache_memory_fraction=1.5)

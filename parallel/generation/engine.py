@@ -19,6 +19,7 @@ Not thread-safe: one thread drives an engine (the gen server holds a lock).
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import deque
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.generation.decoder import Decoder, KVCache
+from parallel.generation.kv_budget import fit_slots, free_bytes, slot_bytes
 from parallel.generation.sampler import SampleBatch, sample
 from parallel.generation.weights import (DecoderWeights, ModelSpec, load_hf_weights,
                                          mcore_from_hf_tensors)
@@ -46,6 +48,9 @@ class EngineConfig:
     max_seq_len: Optional[int] = None  # prompt + output; default max_position_embeddings
     max_prefill_tokens: int = 8192  # per step, for joining requests (at least one joins)
     seed: int = 0  # seeds of requests that bring none
+    # the KV cache may take this fraction of the device's free memory at build time; fewer slots
+    # when the requested ones do not fit (see parallel.generation.kv_budget); 0 = no limit
+    kv_cache_memory_fraction: float = 0.9
 
     def validate(self) -> "EngineConfig":
         if self.max_running_requests < 1:
@@ -54,6 +59,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_seq_len={self.max_seq_len}: must be >= 2")
         if self.max_prefill_tokens < 1:
             raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens}: must be >= 1")
+        if not 0.0 <= self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"EngineConfig.kv_cache_memory_fraction={self.kv_cache_memory_fraction}: "
+                             f"must be in [0, 1] (0 = no limit)")
         return self
 
 
@@ -113,6 +121,12 @@ class GenerationEngine:
         ctx = self.spec.arch.max_position_embeddings
         self._max_context = min(ctx, self.config.max_seq_len or ctx)
         self.decoder = Decoder(self.weights, self._max_context, tp_group)
+        dev = self.weights.device
+        slots = fit_slots(self.config.max_running_requests,
+                          slot_bytes(self.spec.num_layers, self.spec.local_groups, self.spec.head_dim,
+                                     self._max_context, self.weights.dtype),
+                          free_bytes(dev), self.config.kv_cache_memory_fraction, f"device {dev}")
+        self.config = dataclasses.replace(self.config, max_running_requests=slots)
         self.cache = KVCache(self.spec, self.config.max_running_requests, self._max_context,
                              self.weights.dtype, self.weights.device)
         self.tokenizer = tokenizer
@@ -184,6 +198,11 @@ class GenerationEngine:
     @property
     def max_context(self) -> int:
         return self._max_context
+
+    @property
+    def model_context(self) -> int:
+        """The model's own longest sequence (``max_position_embeddings``)."""
+        return int(self.spec.arch.max_position_embeddings)
 
     @property
     def vocab_size(self) -> int:

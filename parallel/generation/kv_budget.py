@@ -1,0 +1,60 @@
+"""How many KV-cache slots fit: the generation engine allocates its cache once, up front.
+
+Why: slots x context x layers x kv-heads is easily more than a GPU holds (a 7B Qwen2.5 at its
+32k context: ~1.9 GB per slot; 64 slots ~120 GB), and an allocation that fails takes the
+process down with a CUDA out-of-memory error that names nothing the user can change. So the
+engine asks here first: the requested slots if they fit in a fraction of the device's free
+memory, fewer if not (logged: generation still runs, with fewer sequences at a time), and a
+clear error naming ``max_running_requests``, ``max_seq_len`` and the numbers when not even one
+slot fits.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+__all__ = ["free_bytes", "slot_bytes", "fit_slots"]
+
+logger = logging.getLogger("realflow.generation")
+
+
+def free_bytes(device: torch.device) -> Optional[int]:
+    """Free memory of ``device`` now: the GPU's (CUDA's own count), the host's MemAvailable on a CPU
+    (None where the OS does not say)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def slot_bytes(num_layers: int, kv_groups: int, head_dim: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes of one slot's keys and values over every layer (this tp rank's kv heads)."""
+    return 2 * num_layers * kv_groups * head_dim * max_len * torch.empty((), dtype=dtype).element_size()
+
+
+def fit_slots(requested: int, per_slot: int, free: Optional[int], fraction: float, where: str) -> int:
+    """``requested`` if ``requested * per_slot`` fits in ``fraction`` of ``free`` bytes, else the
+    most that fit (at least 1, else ValueError). ``fraction`` 0 or an unknown ``free``: no limit."""
+    if fraction <= 0 or free is None:
+        return requested
+    budget = int(free * fraction)
+    fits = budget // max(per_slot, 1)
+    if fits >= requested:
+        return requested
+    gib = 2 ** 30
+    if fits < 1:
+        raise ValueError(f"generation KV cache: one slot needs {per_slot / gib:.2f} GiB but {where} has "
+                         f"{budget / gib:.2f} GiB for it ({fraction:g} of {free / gib:.2f} GiB free); lower "
+                         f"max_seq_len (prompt + new tokens) or use tensor parallelism for generation")
+    logger.warning("generation KV cache: %d slots (max_running_requests) need %.2f GiB, %s has %.2f GiB for it "
+                   "(%g of %.2f GiB free): running %d sequences at a time instead", requested,
+                   requested * per_slot / gib, where, budget / gib, fraction, free / gib, fits)
+    return int(fits)

@@ -18,7 +18,7 @@ from realflow.base.devices import resolve_precision
 
 from parallel.engine import MegatronEngine
 from parallel.groups import ModelGroups, build_model_groups
-from parallel.model_config import hf_arch
+from parallel.model_config import hf_arch, precision_overrides
 from parallel.optim import EngineOptimizerConfig
 
 __all__ = ["MegatronBackend", "estimate_rank_bytes"]
@@ -213,11 +213,7 @@ def _model_desc(cfg: dict[str, Any]) -> str:
 
 def _config_overrides(spec: Any) -> dict[str, Any]:
     """The TransformerConfig overrides of ``spec``: its precision's, then its own (which win)."""
-    import torch
-
-    out: dict[str, Any] = {}
-    if resolve_precision(getattr(spec, "precision", "auto")) == "bf16":
-        out.update(bf16=True, params_dtype=torch.bfloat16)
+    out = precision_overrides(resolve_precision(getattr(spec, "precision", "auto")))
     out.update(spec.backend_args.get("config_overrides") or {})
     return out
 

@@ -139,6 +139,12 @@ def rope_inv_freq(arch: HFArch) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def precision_overrides(precision: str) -> dict[str, Any]:
+    """TransformerConfig fields of a resolved precision (``fp32`` | ``bf16``): bf16 parameters,
+    which megatron's optimizer pairs with fp32 master weights and gradients."""
+    return {"bf16": True, "params_dtype": torch.bfloat16} if precision == "bf16" else {}
+
+
 def transformer_config_from_hf(hf_config: Any, **overrides: Any):
     """Build a megatron ``TransformerConfig`` equivalent to ``hf_config``.
 

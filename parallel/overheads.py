@@ -118,11 +118,12 @@ def _measure_layout(strategy: Any, repeats: int, sync: Callable[[], None]) -> di
     from parallel.optim import EngineOptimizerConfig
     from realflow.api.generation import SamplingParams
 
+    from parallel.model_config import precision_overrides
     from realflow.base.devices import resolve_precision
 
     groups = build_model_groups(list(range(strategy.world_size)), strategy)
     # the precision a run uses by default here (bf16 on GPUs): the costs it will see
-    low = {"bf16": True, "params_dtype": torch.bfloat16} if resolve_precision("auto") == "bf16" else None
+    low = precision_overrides(resolve_precision("auto"))
     batches = {}
     for n in TOKENS:  # each data-parallel rank its own batch
         ids = torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(n + groups.dp_rank))

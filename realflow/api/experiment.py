@@ -18,6 +18,7 @@ from realflow.api.deploy import DeploySpec, RayConfig, RecoverSpec, SlurmConfig
 from realflow.api.mfc import MFCDef
 from realflow.api.rollout import RolloutSpec
 from realflow.api.registry import Registry
+from realflow.base.devices import PRECISIONS
 from realflow.base.wandb_sink import WandbConfig
 
 
@@ -59,6 +60,11 @@ class OptimizerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"OptimizerConfig.{name}={value} must be in [0, 1)")
+
+
+def _check_precision(what: str, value: str) -> None:
+    if value not in PRECISIONS:
+        raise ValueError(f"{what}={value!r} must be auto, fp32 or bf16")
 
 
 @dataclass
@@ -168,10 +174,14 @@ class ExperimentSetup:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r} must be 'stop' or 'skip'")
         if not isinstance(self.max_nonfinite_skips, int) or self.max_nonfinite_skips < 0:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips!r} must be an integer >= 0")
-        for what, value in [("precision", self.precision)] + [(f"model {r!r} precision", m.precision)
-                                                               for r, m in self.models.items()]:
-            if value not in ("auto", "fp32", "bf16"):
-                raise ValueError(f"{what}={value!r} must be auto, fp32 or bf16")
+        _check_precision("precision", self.precision)
+        for role, m in self.models.items():
+            _check_precision(f"model {role!r} precision", m.precision)
+
+    def model_precision(self, spec: ModelSpec) -> str:
+        """A model's precision: its own, else the run's (either may still be ``auto``, which the
+        worker resolves for its device: realflow.base.devices.resolve_precision)."""
+        return spec.precision if spec.precision != "auto" else self.precision
 
     def name_resolve_config(self) -> dict[str, Any]:
         """The name-resolution config every process of this run uses (the file backend
@@ -279,8 +289,7 @@ class BaseExperimentConfig:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r} must be 'stop' or 'skip'")
         if self.max_nonfinite_skips < 0:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 0")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"precision={self.precision!r} must be auto, fp32 or bf16")
+        _check_precision("precision", self.precision)
         return dict(precision=self.precision,
             on_nonfinite=self.on_nonfinite, max_nonfinite_skips=self.max_nonfinite_skips,
             seed=self.seed, name_resolve=dataclasses.asdict(self.name_resolve), worker_threads=self.worker_threads,

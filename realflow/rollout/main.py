@@ -53,8 +53,8 @@ def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     # on one GPU host the model workers take GPUs 0..n_workers-1, the servers the ones after
     # (LOCAL_RANK / SLURM_LOCALID, where a scheduler sets them, win)
     select_device(setup.n_workers + index)
-    own = [m.precision for m in setup.models.values() if m.path == spec.model_path and m.precision != "auto"]
-    precision = resolve_precision(own[0] if own else setup.precision)  # the served model's, as it trains
+    served = next((m for m in setup.models.values() if m.path == spec.model_path), None)  # as it trains
+    precision = resolve_precision(setup.model_precision(served) if served else setup.precision)
     cfg = BackendConfig(model_path=spec.model_path, tokenizer_path=spec.tokenizer_path,
                         max_running_requests=spec.max_running_requests, seed=spec.seed * 1000 + index,
                         dtype="bfloat16" if precision == "bf16" else "float32")

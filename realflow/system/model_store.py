@@ -67,8 +67,7 @@ class ModelStore:
                 continue
             home = layout == self.plan.role_home[role]
             spec = self.setup.models[role]
-            if spec.precision == "auto":  # a model's own precision, else the run's
-                spec = dataclasses.replace(spec, precision=self.setup.precision)
+            spec = dataclasses.replace(spec, precision=self.setup.model_precision(spec))
             if not home:
                 spec = dataclasses.replace(spec, optimizer=None)
             elif spec.optimizer is not None:

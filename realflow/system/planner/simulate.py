@@ -104,7 +104,7 @@ def planned_setup(setup: ExperimentSetup, model_cfgs: dict[str, dict[str, Any]],
     models = {}
     for role, spec in setup.models.items():
         if role in model_cfgs and spec.backend != "none":
-            wanted = spec.precision if spec.precision != "auto" else setup.precision
+            wanted = setup.model_precision(spec)
             if wanted not in ("auto", dtype):
                 raise PlanError(f"model {role!r}: precision={wanted}, but device profile {cluster.device.name!r} "
                                 f"prices {dtype} parameters; plan with precision=auto or {dtype}, or with a "

@@ -152,7 +152,10 @@ def test_master_killed_then_points_refused_for_another_run_and_truncated_point_s
     assert rc == 1 and "fault: worker 'master' was killed by SIGKILL" in out and "relaunching" not in out, out[-2000:]
     points = sorted(p.name for p in (run_dir / "recover").iterdir() if p.name.startswith("step"))
     assert 2 <= len(points) <= 3, points  # recover_keep=3: older points were pruned
-    assert not [p for p in (run_dir / "recover").iterdir() if p.name.startswith(".tmp")]
+    # a kill that lands while a point is being written leaves that one hidden .tmp directory (seen once in
+    # CI): never read as a point, and removed by the next writer's prune (checked after the resume below)
+    leftover = [p.name for p in (run_dir / "recover").iterdir() if p.name.startswith(".tmp")]
+    assert len(leftover) <= 1 and all(n.startswith(".tmp-step") for n in leftover), leftover
 
     # the same trial with another batch size must not resume from these points
     res = _run(SFT, tmp_path, "recover_mode=resume", "batch_size=16", timeout=120)
@@ -170,6 +173,8 @@ def test_master_killed_then_points_refused_for_another_run_and_truncated_point_s
     prev_step = int(points[-2][4:])
     assert f"resuming from the recover point of step {prev_step}" in res.stdout, res.stdout[-2000:]
     assert "worker_1.pt has" in res.stdout + res.stderr and "truncated" in res.stdout + res.stderr
+    assert not (run_dir / "recover").exists() or not [p for p in (run_dir / "recover").iterdir()
+                                                      if p.name.startswith(".tmp")]
     _assert_bit_identical(sft_reference, run_dir / "checkpoints" / "default" / "final")
 
 

@@ -61,7 +61,7 @@ class Work:
         c = parse_overrides(experiment_registry.get(EXPERIMENT), [])
         return cls(c.batch_size, c.ppo.n_samples, c.ppo.max_new_tokens, c.ppo.temperature, c.actor_optimizer.lr,
                    c.ppo.eps_clip, c.ppo.n_minibatches, c.max_tokens_per_mb, c.actor_optimizer.gradient_clipping,
-                   c.dataset.max_prompt_len)
+                   c.data_args()["max_prompt_len"])
 
 
 # ---------------------------------------------------------------- the plain loop

@@ -17,15 +17,18 @@ from typing import Any, Optional
 
 
 from experiments.algorithms import ALGORITHMS, presets
+from experiments.data_config import UserDataConfig, context_length
 from experiments.ppo_hyper import PPOHyperConfig
 from experiments.tasks.registry import get_task
 from graphs.ppo import ACTOR, CRITIC, REF, REWARD, PPOGraphConfig
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
+from realflow.base.hf_models import describe_supported, resolve_model_path
 from realflow.api.experiment import (BaseExperimentConfig, DatasetSpec, EvalSpec, ExperimentSetup,
                                      GroupFilterSpec, ModelSpec, OptimizerConfig, register_experiment)
 
 SFT_TIMEOUT_S = 1800
+SUPPORTED_HELP = "Supported: " + describe_supported()
 REWARD_ARGS_HELP = 'keyword arguments of the reward (JSON), e.g. {"wall_s": 2} for code-tests'
 EVAL_REWARD_HELP = ("reward scoring held-out responses ('' = the task's check: final-answer exact match, "
                     "code-tests for code_expr)")
@@ -33,15 +36,17 @@ EVAL_REWARD_HELP = ("reward scoring held-out responses ('' = the task's check: f
 
 @dataclass
 class RLModelConfig:
-    path: str = field(default="", metadata={"help": "actor HF checkpoint ('' = the SFT default's, trained if absent)"})
-    critic_path: str = field(default="", metadata={"help": "critic init ('' = the actor's trunk, fresh value head)"})
-    tokenizer_path: str = field(default="", metadata={"help": "tokenizer dir ('' = the actor's)"})
+    path: str = field(default="", metadata={
+        "help": "actor: an HF checkpoint directory or a hub id in the local HF cache, e.g. Qwen/Qwen2.5-0.5B-Instruct "
+                "('' = the SFT default's, trained if absent). " + SUPPORTED_HELP})
+    revision: str = field(default="main", metadata={"help": "hub revision of a hub id: a branch, tag or commit"})
+    critic_path: str = field(default="", metadata={"help": "critic init, directory or hub id ('' = the actor's "
+                                                           "trunk, fresh value head)"})
+    tokenizer_path: str = field(default="", metadata={"help": "tokenizer directory or hub id ('' = the actor's)"})
 
 
 @dataclass
-class RLDataConfig:
-    train_path: str = field(default="", metadata={"help": "jsonl prompts + answers ('' = fresh arithmetic problems)"})
-    test_path: str = field(default="", metadata={"help": "held-out jsonl ('' = generated with the training prompts)"})
+class RLDataConfig(UserDataConfig):
     n_train: int = field(default=32_000, metadata={"help": "generated RL prompts (the default run: one pass)"})
     n_test: int = field(default=500, metadata={"help": "generated held-out prompts"})
     task: str = field(default="arithmetic", metadata={
@@ -49,14 +54,17 @@ class RLDataConfig:
     difficulty: Optional[int] = field(default=None, metadata={
         "help": "max operand digits (None = the task's default, which its SFT start used)"})
     data_seed: int = field(default=1, metadata={"help": "seed of the generated prompts (the SFT default used 0)"})
-    format: str = field(default="prompt_answer", metadata={"help": "prompt_answer | gsm8k | boxed | a registered format"})
-    max_prompt_len: int = field(default=64, metadata={"help": "drop prompts longer than this (tokens)"})
+    format: str = field(default="prompt_answer", metadata={
+        "help": "prompt_answer (every shape in docs/data.md) | gsm8k | boxed | a registered format"})
+    max_prompt_len: Optional[int] = field(default=None, metadata={
+        "help": "longest prompt in tokens (None = the model's context minus ppo.max_new_tokens)"})
 
     def __post_init__(self) -> None:
         get_task(self.task)  # an unknown task fails here, naming the closest ones
         for name in ("n_train", "n_test", "max_prompt_len"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"dataset.{name}={getattr(self, name)} must be >= 1")
+        self._check_user_data()
 
 
 @dataclass
@@ -86,14 +94,24 @@ class _RLBase(BaseExperimentConfig):
         return args
 
     def _paths(self) -> tuple[str, str, str, str]:
-        """(actor checkpoint, tokenizer, train jsonl, test jsonl)."""
-        actor = self.model.path or os.path.join(self._sft_dir(), "checkpoints", "default", "final")
-        tok = self.model.tokenizer_path or actor
+        """(actor checkpoint, tokenizer, train data, test data); a hub id resolves to its snapshot in
+        the local HF cache (an id not there is a one-line error naming the cache and how to fetch it)."""
+        m = self.model
+        actor = (resolve_model_path(m.path, m.revision, "model.path") if m.path
+                 else os.path.join(self._sft_dir(), "checkpoints", "default", "final"))
+        tok = resolve_model_path(m.tokenizer_path, m.revision, "model.tokenizer_path") if m.tokenizer_path else actor
         d = self.dataset
         name = f"{get_task(d.task).data_prefix}-rl-d{self._difficulty()}-s{d.data_seed}"
         data = os.path.abspath(os.path.join(self.fileroot, "data", name))
         return (actor, tok, self.dataset.train_path or os.path.join(data, "train.jsonl"),
                 self.dataset.test_path or os.path.join(data, "test.jsonl"))
+
+    def pending_paths(self) -> list[str]:
+        actor, _, train, test = self._paths()
+        pending = [p for p in (train, test) if not self.dataset.train_path and not os.path.exists(p)]
+        if not self.model.path and not os.path.isfile(os.path.join(actor, "config.json")):
+            pending.append(actor)  # the SFT start, trained by prepare()
+        return pending
 
     def prepare(self) -> None:
         actor, _, train, _ = self._paths()
@@ -113,6 +131,24 @@ class _RLBase(BaseExperimentConfig):
             raise RuntimeError(f"the SFT run producing the initial checkpoint took over {SFT_TIMEOUT_S}s") from None
         if res.returncode != 0 or not os.path.isfile(os.path.join(actor, "config.json")):
             raise RuntimeError(f"the SFT run producing {actor} failed (exit {res.returncode}); see its output above")
+
+    def data_args(self) -> dict[str, Any]:
+        """The data sets' args: the data keys, and the prompt limit (``dataset.max_prompt_len``, else
+        the actor's context minus ``ppo.max_new_tokens``: a prompt must leave room for its answer)."""
+        limit = self.dataset.max_prompt_len
+        if limit is None:
+            from parallel.backend import read_hf_config
+
+            actor = self._paths()[0]
+            ctx = context_length(read_hf_config(actor) or self.planned_actor_config())
+            limit = 1024 if ctx is None else ctx - self.ppo.max_new_tokens
+            if limit < 1:
+                raise ValueError(f"ppo.max_new_tokens={self.ppo.max_new_tokens} leaves no room for a prompt in the "
+                                 f"model's context of {ctx} tokens (max_position_embeddings): lower it")
+        args = self.dataset.data_args(max_prompt_len=limit)
+        if not self.dataset.train_path:  # generated data: its length filter, as it always was
+            args["filter_overlong"] = True
+        return args
 
     def planned_actor_config(self) -> Optional[dict]:
         """The HF config of the SFT start ``prepare()`` will train when the actor checkpoint is
@@ -159,10 +195,12 @@ class _RLBase(BaseExperimentConfig):
         if gcfg.use_ref:
             models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok, expected_config=planned)
         if use_critic:
-            models[CRITIC] = ModelSpec(role=CRITIC, path=self.model.critic_path or actor, tokenizer_path=tok,
+            critic = (resolve_model_path(self.model.critic_path, self.model.revision, "model.critic_path")
+                      if self.model.critic_path else actor)
+            models[CRITIC] = ModelSpec(role=CRITIC, path=critic, tokenizer_path=tok,
                                        optimizer=self.critic_optimizer, backend_args={"critic": True},
                                        expected_config=None if self.model.critic_path else planned)
-        data_args: dict[str, Any] = {"max_prompt_len": self.dataset.max_prompt_len}
+        data_args = self.data_args()
         return ExperimentSetup(
             experiment_name=self.experiment_name or self._name, trial_name=self.trial_name, mfcs=mfcs,
             models=models, dataset=DatasetSpec(format=self.dataset.format, path=train, args=data_args),

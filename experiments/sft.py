@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from experiments.data_config import UserDataConfig, context_length
 from experiments.init_model import TinyArchConfig, ensure_random_checkpoint, planned_hf_config
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
@@ -24,19 +25,25 @@ from realflow.api.experiment import (
     OptimizerConfig,
     register_experiment,
 )
+from realflow.base.hf_models import describe_supported, resolve_model_path
 
 
 @dataclass
 class SFTModelConfig:
-    path: str = field(default="", metadata={"help": "HF checkpoint to fine-tune ('' = tiny model from scratch)"})
-    tokenizer_path: str = field(default="", metadata={"help": "tokenizer dir ('' = model.path, or the task's own)"})
+    path: str = field(default="", metadata={
+        "help": "HF checkpoint to fine-tune: a directory or a hub id in the local HF cache ('' = tiny model from "
+                "scratch). Supported: " + describe_supported()})
+    revision: str = field(default="main", metadata={"help": "hub revision of a hub id: a branch, tag or commit"})
+    tokenizer_path: str = field(default="", metadata={
+        "help": "tokenizer directory or hub id ('' = model.path, or the task's own)"})
     arch: TinyArchConfig = field(default_factory=TinyArchConfig)
 
 
 @dataclass
-class SFTDataConfig:
-    train_path: str = field(default="", metadata={"help": "jsonl with prompt + solution ('' = generate arithmetic)"})
-    test_path: str = field(default="", metadata={"help": "held-out jsonl with prompt + answer"})
+class SFTDataConfig(UserDataConfig):
+    response_key: str = field(default="", metadata={
+        "help": "field holding the target ('' = response | solution | completion, or the assistant turns of "
+                "messages)"})
     n_train: int = field(default=50_000, metadata={"help": "generated training problems"})
     n_test: int = field(default=200, metadata={"help": "generated held-out problems"})
     task: str = field(default="arithmetic", metadata={
@@ -44,19 +51,23 @@ class SFTDataConfig:
     difficulty: Optional[int] = field(default=None, metadata={
         "help": "max operand digits of generated problems (None = the task's default)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the generated data"})
-    max_prompt_len: int = field(default=64, metadata={"help": "drop rows with longer prompts (tokens)"})
-    max_seq_len: int = field(default=128, metadata={"help": "drop rows with longer prompt+response"})
+    max_prompt_len: Optional[int] = field(default=None, metadata={
+        "help": "longest prompt in tokens (None = max_seq_len - 1)"})
+    max_seq_len: Optional[int] = field(default=None, metadata={
+        "help": "longest prompt + response in tokens (None = the model's context)"})
 
     def __post_init__(self) -> None:
         from experiments.tasks.registry import get_task
 
         get_task(self.task)  # an unknown task fails here, naming the closest ones
         for name in ("n_train", "n_test", "max_prompt_len", "max_seq_len"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"dataset.{name}={getattr(self, name)} must be >= 1")
-        if self.max_prompt_len >= self.max_seq_len:
+        if self.max_prompt_len is not None and self.max_seq_len is not None \
+                and self.max_prompt_len >= self.max_seq_len:
             raise ValueError(f"dataset.max_prompt_len={self.max_prompt_len} must be < dataset.max_seq_len="
                              f"{self.max_seq_len} (room for the solution)")
+        self._check_user_data()
 
 
 @register_experiment("sft")
@@ -103,9 +114,42 @@ class SFTConfig(BaseExperimentConfig):
         test = self.dataset.test_path or os.path.join(d, "test.jsonl")
         # a tokenizer trained on user data lives with the run, not with the generated data
         own_tok = os.path.join(d if not self.dataset.train_path else self.run_dir("sft"), "tokenizer")
-        tok = self.model.tokenizer_path or self.model.path or own_tok
-        model = self.model.path or os.path.join(self.run_dir("sft"), "init_model")
+        m = self.model
+        model = (resolve_model_path(m.path, m.revision, "model.path") if m.path
+                 else os.path.join(self.run_dir("sft"), "init_model"))
+        tok = (resolve_model_path(m.tokenizer_path, m.revision, "model.tokenizer_path") if m.tokenizer_path
+               else model if m.path else own_tok)
         return train, test, tok, model
+
+    def data_args(self) -> dict[str, Any]:
+        """The data sets' args: the data keys and the length limits (``dataset.max_seq_len``, else the
+        model's context; ``dataset.max_prompt_len``, else one less). Generated task data is filtered
+        by length as it always was; a user's overlong rows are refused unless dataset.filter_overlong."""
+        from parallel.backend import read_hf_config
+
+        d = self.dataset
+        seq = d.max_seq_len
+        if seq is None:
+            model = self._paths()[3]
+            seq = context_length(read_hf_config(model) if self.model.path else planned_hf_config(self.model.arch))
+            seq = seq or 2048
+        prompt = d.max_prompt_len if d.max_prompt_len is not None else seq - 1
+        if prompt >= seq:
+            raise ValueError(f"dataset.max_prompt_len={prompt} must be < the sequence limit {seq} "
+                             "(dataset.max_seq_len, default the model's context)")
+        args = d.data_args(max_prompt_len=prompt, max_seq_len=seq)
+        if not d.train_path:
+            args["filter_overlong"] = True
+        return args
+
+    def pending_paths(self) -> list[str]:
+        train, test, tok, model = self._paths()
+        made = [train, test] if not self.dataset.train_path else []
+        if not self.model.path and not self.model.tokenizer_path:
+            made.append(tok)
+        if not self.model.path:
+            made.append(model)
+        return [p for p in made if not os.path.exists(p)]
 
     def prepare(self) -> None:
         from experiments.tasks.tokenizer import ensure_tokenizer
@@ -123,7 +167,7 @@ class SFTConfig(BaseExperimentConfig):
         train, test, tok, model = self._paths()
         mb_spec = MicroBatchSpec(n_mbs=1, max_tokens_per_mb=self.max_tokens_per_mb)
         mfcs = graph_registry.get("sft")(self.batch_size, mb_spec, role="default")
-        data_args = {"max_prompt_len": self.dataset.max_prompt_len, "max_seq_len": self.dataset.max_seq_len}
+        data_args = self.data_args()
         return ExperimentSetup(
             experiment_name=self.experiment_name or "sft",
             trial_name=self.trial_name,
@@ -139,7 +183,7 @@ class SFTConfig(BaseExperimentConfig):
             save_freq_steps=self.save_freq_steps,
             eval=EvalSpec(
                 role="default",
-                dataset=DatasetSpec(format="prompt_answer", path=test, args={"max_prompt_len": self.dataset.max_prompt_len}),
+                dataset=DatasetSpec(format="prompt_answer", path=test, args=_eval_args(data_args)),
                 interface_impl="sft",
                 # the task's held-out check: final-answer match, or e.g. code-tests for code_expr
                 interface_args={"eval_max_new_tokens": self.eval_max_new_tokens,
@@ -148,3 +192,8 @@ class SFTConfig(BaseExperimentConfig):
             ),
             **self.runtime_fields(),
         )
+
+
+def _eval_args(data_args: dict[str, Any]) -> dict[str, Any]:
+    """The held-out set's args: the training data's, less what only SFT targets use."""
+    return {k: v for k, v in data_args.items() if k not in ("max_seq_len", "response_key")}

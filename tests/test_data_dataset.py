@@ -261,8 +261,11 @@ def _chat_tok(tok_dir):
 def test_chat_template_and_prompt_template(tmp_path, tok, arith):
     ct = _chat_tok(tok.name_or_path)
     rows = load_rows(arith.test, "prompt_answer")[:5]
-    plain = PromptAnswerDataset.from_rows(rows, ct, max_prompt_len=512)
-    assert plain[0].prompt_ids == tok(rows[0].prompt)["input_ids"]  # default: no template
+    plain = PromptAnswerDataset.from_rows(rows, ct, max_prompt_len=512, prompt_format=PromptFormat("none"))
+    assert plain[0].prompt_ids == tok(rows[0].prompt)["input_ids"]  # chat_template=none: the text as it is
+    auto = PromptAnswerDataset.from_rows(rows, ct, max_prompt_len=512)  # default auto: the tokenizer's template
+    assert auto[0].prompt_ids == tok(f"<s>[user]{rows[0].prompt}[assistant]", add_special_tokens=False)["input_ids"]
+    assert PromptAnswerDataset.from_rows(rows, tok, max_prompt_len=512)[0].prompt_ids == plain[0].prompt_ids
     fmt = PromptFormat(chat_template=True, system_prompt="sys", prompt_template="Q: {prompt}")
     ds = PromptAnswerDataset.from_rows(rows, ct, max_prompt_len=512, prompt_format=fmt)
     text = f"<s>[system]sys[user]Q: {rows[0].prompt}[assistant]"
@@ -278,8 +281,10 @@ def test_chat_template_and_prompt_template(tmp_path, tok, arith):
         PromptFormat(prompt_template="no slot")
     with pytest.raises(ValueError, match="not a valid template"):
         PromptFormat(prompt_template="{prompt} {other}")
-    with pytest.raises(ValueError, match="system_prompt needs chat_template=True"):
-        PromptFormat(system_prompt="x")
+    with pytest.raises(ValueError, match="system_prompt needs a chat template"):
+        PromptFormat("none", system_prompt="x")
+    with pytest.raises(ValueError, match="has no chat template"):
+        PromptAnswerDataset.from_rows(rows, tok, 512, prompt_format=PromptFormat(system_prompt="x"))
 
 
 # ----------------------------------------------------------------------------- data source

@@ -67,7 +67,7 @@ class RFTConfig(OwnStartMixin, GRPOMathConfig):
             self.batch_size, MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb), gen_args,
             {"reward": self.reward, "reward_args": dict(self.reward_args)},
             {"min_reward": self.min_reward, "max_kept_per_prompt": self.max_kept_per_prompt})
-        data_args: dict[str, Any] = {"max_prompt_len": self.dataset.max_prompt_len}
+        data_args = self.data_args()
         return ExperimentSetup(
             experiment_name=self.experiment_name or self._name, trial_name=self.trial_name, mfcs=mfcs,
             models={ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,

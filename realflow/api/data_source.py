@@ -20,9 +20,11 @@ sample per parsed row; None drops the row, counted as ``filtered``). The parser 
 the data source decides the keys the graph sees and how a row becomes tensors.
 
 ``spec.args`` (all optional): ``max_prompt_len`` (default 1024), ``max_seq_len``
-(SFT), ``seed``, ``chat_template`` (bool), ``system_prompt``, ``prompt_template``
-(see :class:`~realflow.api.dataset.PromptFormat`) and ``skip_bad_rows`` (bool:
-log and count bad rows instead of failing). Unknown args are errors.
+(SFT), ``seed``, ``chat_template`` (auto | none | tokenizer, or a bool),
+``system_prompt``, ``prompt_template``, ``add_generation_prompt`` (see
+:class:`~realflow.api.chat_render.PromptFormat`), ``prompt_key``/``answer_key``/
+``response_key`` (see :class:`~realflow.api.data_rows.FieldMap`) and ``skip_bad_rows``
+(bool: log and count bad rows instead of failing). Unknown args are errors.
 """
 from __future__ import annotations
 
@@ -34,13 +36,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from realflow.api.batch import SequenceBatch
-from realflow.api.dataset import (DATASET_FORMATS, PromptAnswerDataset, PromptAnswerRow, PromptFormat,
+from realflow.api.dataset import (DATASET_FORMATS, FieldMap, PromptAnswerDataset, PromptAnswerRow, PromptFormat,
                                   SFTDataset, SFTRow, load_rows_report)
 from realflow.api.experiment import DatasetSpec
 from realflow.api.registry import Registry, did_you_mean
 
 __all__ = ["dataset_keys", "load_dataset_shard", "DATASET_ARGS", "DataSource", "DATA_SOURCES",
-           "register_data_source"]
+           "register_data_source", "prompt_format_of", "field_map_of", "load_tokenized"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,10 @@ _SFT_KEYS = ("packed_input_ids", "prompt_mask")
 _PROMPT_KEYS = ("packed_prompts",)
 _METADATA_KEYS = ("answer",)
 _BUILTIN_KIND = {"sft": "sft", "prompt_answer": "prompt", "gsm8k": "prompt", "boxed": "prompt"}
-DATASET_ARGS = ("max_prompt_len", "max_seq_len", "seed", "chat_template", "system_prompt",
-                "prompt_template", "skip_bad_rows")
+FORMAT_ARGS = ("chat_template", "chat_template_text", "system_prompt", "prompt_template", "add_generation_prompt")
+FIELD_ARGS = ("prompt_key", "answer_key", "response_key")
+# filter_overlong is read by the launcher's length check (realflow.system.preflight), not here
+DATASET_ARGS = ("max_prompt_len", "max_seq_len", "seed", "skip_bad_rows", "filter_overlong") + FORMAT_ARGS + FIELD_ARGS
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,7 @@ class DataSource:
 
 
 DATA_SOURCES: Registry[DataSource] = Registry("data source")
-_COMMON_ARGS = ("seed", "skip_bad_rows")
+_COMMON_ARGS = ("seed", "skip_bad_rows", "filter_overlong") + FIELD_ARGS
 
 
 def register_data_source(name: str, keys: tuple[str, ...], args: tuple[str, ...] = ()):
@@ -126,8 +130,12 @@ def _load_source_shard(spec: DatasetSpec, source: DataSource, tokenizer, rank: i
     parser, turned into samples by ``source.to_sample``, every ``world``-th from ``rank``."""
     args = _parse_args(spec, _COMMON_ARGS + source.args)
     args.pop("seed", None)
+    args.pop("filter_overlong", None)
     skip_bad = bool(args.pop("skip_bad_rows", False))
-    rows, bad = load_rows_report(spec.path, spec.format, skip_bad_rows=skip_bad)
+    fields = field_map_of(args)
+    for k in FIELD_ARGS:
+        args.pop(k, None)
+    rows, bad = load_rows_report(spec.path, spec.format, skip_bad_rows=skip_bad, fields=fields)
     samples = [b for b in (source.to_sample(r, tokenizer, args) for r in rows) if b is not None]
     for b in samples:
         missing = sorted(set(source.keys) - set(b.data) - set(b.metadata))
@@ -143,6 +151,34 @@ def _load_source_shard(spec: DatasetSpec, source: DataSource, tokenizer, rank: i
     return samples[rank::world]
 
 
+def prompt_format_of(args: dict[str, Any]) -> PromptFormat:
+    """The :class:`PromptFormat` a data set's args declare (the same for every process)."""
+    return PromptFormat(chat_template=args.get("chat_template", "auto"),
+                        system_prompt=args.get("system_prompt") or None,
+                        prompt_template=args.get("prompt_template") or None,
+                        add_generation_prompt=bool(args.get("add_generation_prompt", True)),
+                        template_text=args.get("chat_template_text") or None)
+
+
+def field_map_of(args: dict[str, Any]) -> FieldMap:
+    """The :class:`FieldMap` a data set's args declare."""
+    return FieldMap(*(args.get(k) or None for k in FIELD_ARGS))
+
+
+def load_tokenized(spec: DatasetSpec, tokenizer) -> "PromptAnswerDataset | SFTDataset":
+    """Read, check and tokenize the whole of a built-in-format data set (no sharding):
+    what the workers, the rollout workers and ``--check`` all do with it."""
+    kind = _kind(spec.format)
+    args = _parse_args(spec)
+    max_prompt_len = int(args.get("max_prompt_len", 1024))
+    common = dict(seed=int(args.get("seed", 0)), prompt_format=prompt_format_of(args),
+                  skip_bad_rows=bool(args.get("skip_bad_rows", False)), fields=field_map_of(args))
+    if kind == "sft":
+        return SFTDataset.load(spec.path, tokenizer, max_prompt_len, args.get("max_seq_len"), fmt=spec.format,
+                               **common)
+    return PromptAnswerDataset.load(spec.path, tokenizer, max_prompt_len, fmt=spec.format, **common)
+
+
 def load_dataset_shard(spec: DatasetSpec, tokenizer, rank: int, world: int) -> list[SequenceBatch]:
     """Tokenize ``spec`` and return shard ``rank`` of ``world`` as one-sample batches.
 
@@ -152,19 +188,7 @@ def load_dataset_shard(spec: DatasetSpec, tokenizer, rank: int, world: int) -> l
     if spec.format in DATA_SOURCES:
         return _load_source_shard(spec, DATA_SOURCES.get(spec.format), tokenizer, rank, world)
     kind = _kind(spec.format)
-    args = _parse_args(spec)
-    max_prompt_len = int(args.pop("max_prompt_len", 1024))
-    seed = int(args.pop("seed", 0))
-    skip_bad = bool(args.pop("skip_bad_rows", False))
-    pf = PromptFormat(chat_template=bool(args.pop("chat_template", False)),
-                      system_prompt=args.pop("system_prompt", None),
-                      prompt_template=args.pop("prompt_template", None))
-    if kind == "sft":
-        ds = SFTDataset.load(spec.path, tokenizer, max_prompt_len, args.pop("max_seq_len", None), fmt=spec.format,
-                             seed=seed, prompt_format=pf, skip_bad_rows=skip_bad)
-    else:
-        ds = PromptAnswerDataset.load(spec.path, tokenizer, max_prompt_len, fmt=spec.format, seed=seed,
-                                      prompt_format=pf, skip_bad_rows=skip_bad)
+    ds = load_tokenized(spec, tokenizer)
     if rank == 0:
         logger.info("data set %s (%s): %s", spec.path, spec.format, ds.report)
     if len(ds) == 0:

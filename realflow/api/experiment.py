@@ -322,6 +322,11 @@ class BaseExperimentConfig:
     def prepare(self) -> None:  # pragma: no cover - default does nothing
         """One-time preparation in the launcher (data, tokenizer, initial weights)."""
 
+    def pending_paths(self) -> list[str]:
+        """What :meth:`prepare` would still create (files or directories): ``--check`` never
+        prepares (it trains, generates and downloads nothing), so it skips checking these."""
+        return []
+
     def setup(self) -> ExperimentSetup:
         raise NotImplementedError(f"{type(self).__name__} must implement setup()")
 

@@ -13,8 +13,9 @@ import json
 import os
 from typing import Any
 
-# Classes loaded as themselves rather than through AutoTokenizer's model-type lookup.
-_EXACT_CLASSES = ("PreTrainedTokenizerFast",)
+# Classes loaded as themselves rather than through AutoTokenizer's model-type lookup
+# (transformers 5 saves a PreTrainedTokenizerFast as "TokenizersBackend").
+_EXACT_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
@@ -26,6 +27,6 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
             declared = json.load(f).get("tokenizer_class")
     except (OSError, json.JSONDecodeError):
         declared = None
-    if declared in _EXACT_CLASSES:
+    if declared in _EXACT_CLASSES and hasattr(transformers, declared):
         return getattr(transformers, declared).from_pretrained(str(path))
     return transformers.AutoTokenizer.from_pretrained(str(path))

@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from realflow.api.chat_render import render_chat_text
+
 __all__ = ["PLAIN_CHAT_TEMPLATE", "ChatTokenizer", "parse_tool_calls", "normalize_messages", "Spliced"]
 
 #: For tokenizers without a chat template (the task tokenizers of the CPU defaults):
@@ -130,8 +132,8 @@ class ChatTokenizer:
         self.end_markers = [t for t in {tokenizer.eos_token} if t]
 
     def render(self, messages: Sequence[dict[str, Any]], tools: Any, generation_prompt: bool = True) -> str:
-        return self.tok.apply_chat_template(list(messages), tools=tools or None, chat_template=self.template,
-                                            add_generation_prompt=generation_prompt, tokenize=False)
+        # the rendering the data sets use too (realflow.api.chat_render): ids never drift between them
+        return render_chat_text(self.tok, messages, self.template, generation_prompt, tools)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))

@@ -33,9 +33,10 @@ import zmq
 import zmq.asyncio
 
 from realflow.api.agent import Completion, RewardTimeout, make_agent
-from realflow.api.dataset import PromptAnswerDataset, PromptFormat
-from realflow.api.experiment import ExperimentSetup
+from realflow.api.data_source import load_tokenized
+from realflow.api.experiment import DatasetSpec, ExperimentSetup
 from realflow.api.rollout import rollout_to_batch
+from realflow.base.fault_injection import fault_point
 from realflow.comm.auth import Signer
 from realflow.comm.codec import encode
 
@@ -211,6 +212,8 @@ class RolloutWorker:
         async with self._proxy_lock:
             if self.openai_proxy is None:
                 opts = dict(getattr(self.agent, "proxy_options", {}) or {})
+                if self.spec.dataset_args.get("chat_template_text"):  # dataset.chat_template=PATH.jinja
+                    opts.setdefault("chat_template", self.spec.dataset_args["chat_template_text"])
                 try:
                     cfg = ProxyConfig(**opts)
                 except TypeError as e:
@@ -235,11 +238,10 @@ class RolloutWorker:
                            info={"resubmits": r["resubmits"], "servers": r["servers"]}) for r in out]
 
     def _load_rows(self) -> list:
-        spec = self.spec
-        args = dict(spec.dataset_args)
-        ds = PromptAnswerDataset.load(spec.dataset_path, self.tokenizer, int(args.get("max_prompt_len", 1024)),
-                                      fmt=spec.dataset_format, seed=spec.seed,
-                                      prompt_format=PromptFormat(chat_template=bool(args.get("chat_template", False))))
+        spec = self.spec  # tokenized exactly as the trainer's data sets are (one rendering: chat_render)
+        args = {"seed": spec.seed, **dict(spec.dataset_args)}
+        ds = load_tokenized(DatasetSpec(format=spec.dataset_format, path=spec.dataset_path, args=args),
+                            self.tokenizer)
         if self.index == 0:
             logger.info("prompt data set %s (%s): %s", spec.dataset_path, spec.dataset_format, ds.report)
         return ds
@@ -345,6 +347,7 @@ class RolloutWorker:
                                              "id": sid, "timed_out": timed_out, "filtered": filtered})
 
     async def _push(self, wire: dict) -> None:
+        fault_point("rollout")  # (tests only: realflow.base.fault_injection)
         to, sock = self.socks[next(self._next_sock)]
         frames = self.signer.sign(encode(wire), to)
         try:

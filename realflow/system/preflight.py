@@ -2,8 +2,12 @@
 
 Bad input must fail at the edge with one line that names the culprit, not as a
 traceback in one of several worker logs minutes later. So the launcher reads every
-data row (a bad row is reported as ``file:line: reason``) and opens every checkpoint's
-config and tensor headers before it starts a single process.
+data row (a bad row is reported as ``file:line: reason``), tokenizes it as the workers
+will (rows over the length limits are refused, with the count and the limit to set,
+unless the data set says ``filter_overlong``), and opens every checkpoint's config
+(its architecture must be one realflow builds) and tensor headers before it starts a
+single process. ``pending`` paths (what the experiment's ``prepare()`` has yet to
+create, under ``--check``) are skipped and listed.
 """
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ import json
 import os
 import re
 
-from realflow.api.dataset import DataRowError, load_rows_report
+from typing import Optional, Sequence
+
+from realflow.api.dataset import DataRowError, FieldMap, load_rows_report
 from realflow.api.experiment import DatasetSpec, ExperimentSetup
 
 
@@ -46,6 +52,12 @@ def check_checkpoint(path: str, what: str) -> None:
         except Exception as e:  # safetensors raises its own error types
             raise PreflightError(f"{what}: unreadable weights file {full}: {str(e).splitlines()[0]}") from None
     if isinstance(config, dict):
+        from realflow.base.hf_models import UnsupportedArchitectureError, check_architecture
+
+        try:
+            check_architecture(config, f"{what}: {cfg}")
+        except UnsupportedArchitectureError as e:
+            raise PreflightError(str(e)) from None
         _check_shapes(config, shapes, cfg, what)
 
 
@@ -87,20 +99,83 @@ def check_tokenizer(path: str, what: str) -> None:
 
 def check_dataset(spec: DatasetSpec, what: str) -> int:
     """Parse every row of ``spec``; return the row count."""
-    if not os.path.isfile(spec.path):
+    if not os.path.exists(spec.path):
         raise PreflightError(f"{what}: data file {spec.path} does not exist")
+    fields = FieldMap(*(spec.args.get(k) or None for k in ("prompt_key", "answer_key", "response_key")))
     try:
-        rows, _bad = load_rows_report(spec.path, spec.format, skip_bad_rows=bool(spec.args.get("skip_bad_rows", False)))
+        rows, _bad = load_rows_report(spec.path, spec.format, skip_bad_rows=bool(spec.args.get("skip_bad_rows", False)),
+                                      fields=fields)
         return len(rows)
     except DataRowError as e:
         raise PreflightError(f"{what}: {e}") from None
 
 
-def preflight(setup: ExperimentSetup) -> None:
+def check_lengths(spec: DatasetSpec, tokenizer_path: str, what: str) -> Optional[str]:
+    """Tokenize ``spec`` as the workers will; rows over the length limits are an error naming the
+    count, the key and the length to set (unless ``filter_overlong``). Returns the filter report."""
+    from realflow.api.data_source import DATA_SOURCES, load_tokenized
+    from realflow.base.tokenizer_loading import load_tokenizer
+
+    if spec.format in DATA_SOURCES:  # a user data source decides its own filtering
+        return None
+    try:
+        ds = load_tokenized(spec, load_tokenizer(tokenizer_path))
+    except DataRowError as e:
+        raise PreflightError(f"{what}: {e}") from None
+    except ValueError as e:  # a chat template that cannot render, a conversation without one
+        raise PreflightError(f"{what} {spec.path}: {e}") from None
+    r = ds.report
+    over = {"prompt_too_long": ("prompts", "max_prompt_len", r.longest_prompt),
+            "sequence_too_long": ("rows", "max_seq_len", r.longest_seq)}
+    for reason, (noun, key, longest) in over.items():
+        n = r.dropped.get(reason, 0)
+        if n and not spec.args.get("filter_overlong"):
+            raise PreflightError(
+                f"{what} {spec.path}: {n} of {r.total} {noun} are longer than dataset.{key}="
+                f"{spec.args.get(key)} tokens (the longest: {longest}); set dataset.{key}={longest}, or "
+                f"dataset.filter_overlong=true to drop them")
+    if r.kept == 0:
+        raise PreflightError(f"{what} {spec.path}: no rows left after the length limits: {r}")
+    return str(r)
+
+
+def _data_tokenizer(setup: ExperimentSetup) -> Optional[str]:
+    """The tokenizer the data sets are tokenized with: the trained model's (else the first's)."""
+    specs = sorted(setup.models.items())
+    trained = [s for _, s in specs if s.optimizer is not None] or [s for _, s in specs]
+    return (trained[0].tokenizer_path or trained[0].path) if trained else None
+
+
+def _pending(path: str, pending: Sequence[str]) -> bool:
+    path = os.path.abspath(path)
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in map(os.path.abspath, pending))
+
+
+def preflight(setup: ExperimentSetup, pending: Sequence[str] = ()) -> list[str]:
+    """Every check before a worker starts; returns notes (what was skipped, the data filters)."""
+    notes = []
     for role, spec in sorted(setup.models.items()):
+        if getattr(spec, "backend", "") == "none":  # a rule reward: its path is only a tokenizer
+            continue
+        if _pending(spec.path, pending):
+            notes.append(f"model '{role}': {spec.path} not checked (the run creates it first)")
+            continue
         check_checkpoint(spec.path, f"model '{role}'")
         if spec.tokenizer_path and spec.tokenizer_path != spec.path:
             check_tokenizer(spec.tokenizer_path, f"model '{role}'")
-    check_dataset(setup.dataset, "training data")
+    tok = _data_tokenizer(setup)
+    data = [(setup.dataset, "training data")]
     if setup.eval is not None:
-        check_dataset(setup.eval.dataset, "evaluation data")
+        data.append((setup.eval.dataset, "evaluation data"))
+    for spec, what in data:
+        if _pending(spec.path, pending):
+            notes.append(f"{what}: {spec.path} not checked (the run generates it first)")
+            continue
+        check_dataset(spec, what)
+        if tok is None or _pending(tok, pending):
+            notes.append(f"{what}: lengths not checked (the tokenizer is made by the run)")
+            continue
+        report = check_lengths(spec, tok, what)
+        if report:
+            notes.append(f"{what}: {report}")
+    return notes

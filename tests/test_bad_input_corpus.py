@@ -43,10 +43,15 @@ def _id(path: str) -> str:
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> dict[str, str]:
     """A prepared SFT fileroot (data, tokenizer, initial checkpoint) every case may point at."""
+    from realflow.api.config import import_modules, parse_overrides
+    from realflow.api.experiment import experiment_registry
+
     root = str(tmp_path_factory.mktemp("corpus"))
+    import_modules(["experiments"])
+    parse_overrides(experiment_registry.get("sft"), [f"fileroot={root}"]).prepare()  # --check prepares nothing
     assert launch_main("sft", [f"fileroot={root}", "--check"], app="main_sft") == 0
     ckpt = os.path.dirname(glob.glob(os.path.join(root, "**", "realflow_init.json"), recursive=True)[0])
-    return {"fileroot": root, "ckpt": ckpt, "tmp": str(tmp_path_factory.mktemp("case"))}
+    return {"fileroot": root, "ckpt": ckpt, "tmp": str(tmp_path_factory.mktemp("case")), "corpus": HERE}
 
 
 def _fill(arg: str, values: dict[str, str]) -> str:
@@ -85,13 +90,15 @@ def test_command_line(case, shared, capsys):
 
 # ---------------------------------------------------------------- data files
 
-@pytest.mark.parametrize("case", _cases("data", "*/*.jsonl"), ids=_id)
+@pytest.mark.parametrize("case", _cases("data", "*/*.jsonl") + _cases("data", "*/*.parquet"), ids=_id)
 def test_data_file(case, shared, capsys):
-    """``data/<sft|rl>/<name>@<line>.jsonl``: the error names the file and that line (0: the file)."""
+    """``data/<sft|rl>/<name>@<line>.<jsonl|parquet>``: the error names the file and that line (a
+    parquet file: that row; 0: the file)."""
     line_no = int(os.path.basename(case).rsplit("@", 1)[1].split(".")[0])
     experiment = "sft" if os.path.basename(os.path.dirname(case)) == "sft" else "grpo-math"
     line = _refused(capsys, experiment, [f"dataset.train_path={case}", f"dataset.test_path={case}"], shared)
-    assert (f"{case}:{line_no}:" if line_no else case) in line, line
+    where = f"{case}: row {line_no}:" if case.endswith(".parquet") else f"{case}:{line_no}:"
+    assert (where if line_no else case) in line, line
 
 
 # ---------------------------------------------------------------- user graphs

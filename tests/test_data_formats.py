@@ -189,3 +189,19 @@ def test_sft_conversation_trains_on_assistant_tokens_only(tmp_path, tok):
     plain_chat = conversation_ids(tok, [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}])
     assert (ds[1].input_ids, ds[1].prompt_mask) == plain_chat  # a text pair is a two-turn conversation
     assert ds.report.longest_prompt == len(_chat_ids(tok, msgs[:2]))
+
+
+def test_the_agents_proxy_renders_as_the_data_sets(tmp_path, tok):
+    """The OpenAI-compatible proxy's prompt ids equal the data sets' for the same messages, with the
+    tokenizer's template and with a template file (which the rollout worker hands the proxy)."""
+    from realflow.rollout.chat_tokens import ChatTokenizer
+
+    msgs = TRL_RL["prompt"]
+    proxy = ChatTokenizer(tok)
+    assert proxy.encode(proxy.render(msgs, None)) == prompt_ids(tok, msgs) == _chat_ids(tok, msgs)
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                    "{% if add_generation_prompt %}<assistant>{% endif %}")
+    text = load_template_file(str(path))
+    proxy = ChatTokenizer(tok, text)
+    assert proxy.encode(proxy.render(msgs, None)) == prompt_ids(tok, msgs, PromptFormat("tokenizer", template_text=text))

@@ -1,269 +1,51 @@
-"""Dataclass configs from the command line, without argparse boilerplate.
+"""Dataclass configs from the command line and config files, without argparse boilerplate.
 
 Every experiment is a (nested) dataclass.  The command line is a list of
-``key=value`` overrides on top of its defaults, with dots for nesting::
+``key=value`` overrides on top of its defaults, with dots for nesting, and optionally
+``--config FILE`` items (YAML or JSON, :mod:`realflow.api.config_files`) under them::
 
-    python -m realflow.apps.main_sync_ppo actor.path=/ckpt/qwen2 optimizer.lr=1e-4 seeds=1,2,3
+    python -m realflow.apps.main_sync_ppo --config run.yaml actor.path=/ckpt/qwen2 optimizer.lr=1e-4 seeds=1,2,3
 
 Why this shape: configs must be complete, typed and documented in one place
 (the dataclass), and the same object must be rebuildable inside a worker from
 plain data (:func:`config_to_dict` / :func:`dict_to_config`, msgpack-able,
-no pickle).  Values are converted from the field's type annotation:
-
-* ``int``, ``float``, ``str``, ``pathlib.Path``;
-* ``bool``: true/false, 1/0, yes/no, on/off (any case);
-* ``Optional[X]``: ``none`` / ``null`` gives None, anything else converts as X;
-* ``list[X]`` / ``tuple[X, ...]``: a comma list (``1,2,3``; empty string = empty
-  list) or JSON (``[1, 2, 3]``);
-* ``dict[str, X]``: JSON, or one entry at a time (``interface_args.temp=0.7``);
-* enums (by value or name), ``Literal[...]`` (one of the listed values);
-* nested dataclasses: dotted keys, or a JSON object; ``Any``: JSON, else the string.
+no pickle).  Values are converted from the field's type annotation by the rules of
+:mod:`realflow.api.config_values` (bool = true/false/yes/no/1/0, lists = ``1,2,3`` or
+JSON, Optional = ``none``, dicts = JSON or one entry at a time, nested dataclasses =
+dotted keys or a JSON object).
 
 Field docs come from ``field(metadata={"help": ...})`` and show in
 :func:`format_help`.  Every error is a one-line :class:`ConfigError` naming the
-key; unknown keys come with the closest valid keys.
+key (and, for a key a config file set, the file and line); unknown keys come with the
+closest valid keys.
 """
 from __future__ import annotations
 
 import dataclasses
-import enum
 import importlib
 import json
-import math
 import pathlib
+import re
 import sys
-import types
 import typing
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Sequence, TypeVar
 
+from realflow.api.config_files import Setting, file_settings, split_config_files
+from realflow.api.config_values import (
+    _UNSET, ConfigError, _construct, _convert, _dataclass_of, _field_default, _hints, _init_fields, _plain,
+    _split_optional, _type_name, config_to_dict, dict_to_config, field_paths,
+)
 from realflow.api.registry import closest
 
 __all__ = [
     "ConfigError", "parse_overrides", "parse_cli", "format_help", "wants_help", "split_imports", "import_modules",
-    "pop_override", "config_to_dict", "dict_to_config", "field_paths",
+    "pop_override", "config_to_dict", "dict_to_config", "field_paths", "split_config_files", "expand_presets",
 ]
 
 T = TypeVar("T")
-_UNSET: Any = object()
 _FRESH: Any = object()  # a sub-config the user cleared ("x=none") and then set again ("x.y=1")
-_TRUE = {"true", "1", "yes", "y", "on"}
-_FALSE = {"false", "0", "no", "n", "off"}
-
-
-class ConfigError(ValueError):
-    """A bad command line or config dict; the message names the key (and what was expected)."""
-
-
-# ---- type introspection -------------------------------------------------------------------------
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    try:
-        return typing.get_type_hints(cls)
-    except Exception as e:  # unresolvable string annotation
-        raise ConfigError(f"cannot resolve the type annotations of config class {cls.__qualname__}: {e}") from None
-
-
-def _init_fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls) if f.init}
-
-
-def _split_optional(tp: Any) -> tuple[Any, bool]:
-    """``Optional[X]`` -> (X, True); other types -> (tp, False). Other unions stay unions."""
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) < len(typing.get_args(tp)):
-            return (args[0] if len(args) == 1 else Union[tuple(args)]), True
-    return tp, False
-
-
-def _dataclass_of(tp: Any) -> type | None:
-    inner, _ = _split_optional(tp)
-    return inner if isinstance(inner, type) and dataclasses.is_dataclass(inner) else None
-
-
-def _type_name(tp: Any) -> str:
-    inner, opt = _split_optional(tp)
-    if opt:
-        return f"{_type_name(inner)} | None"
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any:
-        return "any (JSON or str)"
-    if origin is Literal:
-        return "one of {" + ", ".join(str(a) for a in args) + "}"
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return "one of {" + ", ".join(str(m.value) for m in tp) + "}"
-    if origin in (Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in args)
-    if origin is not None:
-        inside = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
-        return f"{getattr(origin, '__name__', str(origin))}[{inside}]"
-    return getattr(tp, "__name__", str(tp))
-
-
-def field_paths(cls: type, prefix: str = "") -> list[str]:
-    """Every settable dotted key of config class ``cls`` (nested dataclasses included)."""
-    out = []
-    hints = _hints(cls)
-    for name in _init_fields(cls):
-        path = prefix + name
-        out.append(path)
-        sub = _dataclass_of(hints[name])
-        if sub is not None:
-            out.extend(field_paths(sub, path + "."))
-    return out
-
-
-# ---- value conversion ---------------------------------------------------------------------------
-
-
-def _bad(path: str, tp: Any, raw: Any, why: str = "") -> ConfigError:
-    e = ConfigError(f"bad value for {path}: expected {_type_name(tp)}, got {raw!r}" + (f" ({why})" if why else ""))
-    e.bad_path, e.why = path, why  # type: ignore[attr-defined]
-    return e
-
-
-def _convert(raw: Any, tp: Any, path: str, cli: bool) -> Any:
-    """Convert ``raw`` to ``tp``. ``cli``: raw is command-line text; otherwise a JSON-like value."""
-    inner, optional = _split_optional(tp)
-    if optional:
-        if raw is None or (cli and isinstance(raw, str) and raw.strip().lower() in ("none", "null")):
-            return None
-        try:
-            return _convert(raw, inner, path, cli)
-        except ConfigError as e:  # say "int | None", not "int"
-            if getattr(e, "bad_path", None) == path:
-                raise _bad(path, tp, raw, e.why) from None  # type: ignore[attr-defined]
-            raise
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if tp is Any or tp is object:
-        if cli and isinstance(raw, str):
-            try:
-                return json.loads(raw)
-            except ValueError:
-                return raw
-        return raw
-    if origin in (Union, types.UnionType):
-        for a in args:
-            try:
-                return _convert(raw, a, path, cli)
-            except ConfigError:
-                continue
-        raise _bad(path, tp, raw)
-    if origin is Literal:
-        for option in args:
-            try:
-                if _convert(raw, type(option), path, cli) == option:
-                    return option
-            except ConfigError:
-                continue
-        raise _bad(path, tp, raw)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        if isinstance(raw, tp):
-            return raw
-        for m in tp:
-            if raw == m.value or (isinstance(raw, str) and (raw == str(m.value) or raw.lower() == m.name.lower())):
-                return m
-        raise _bad(path, tp, raw)
-    if tp is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower() if isinstance(raw, (str, int)) else None
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-        raise _bad(path, tp, raw, "use true/false, 1/0 or yes/no")
-    if tp is int:
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        if isinstance(raw, float) and raw.is_integer():
-            return int(raw)
-        if isinstance(raw, str):
-            try:
-                return int(raw.strip())
-            except ValueError:
-                pass
-            try:  # "1e3"
-                f = float(raw.strip())
-                if f.is_integer():
-                    return int(f)
-            except (ValueError, OverflowError):
-                pass
-        raise _bad(path, tp, raw)
-    if tp is float:
-        value = None
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            value = float(raw)
-        elif isinstance(raw, str):
-            try:
-                value = float(raw.strip())
-            except ValueError:
-                pass
-        if value is None:
-            raise _bad(path, tp, raw)
-        if not math.isfinite(value):  # a NaN or inf coefficient, rate or limit can only poison a run
-            raise _bad(path, tp, raw, "must be a finite number")
-        return value
-    if tp is str:
-        if isinstance(raw, str):
-            return raw
-        raise _bad(path, tp, raw)
-    if tp is pathlib.Path:
-        if isinstance(raw, (str, pathlib.Path)):
-            return pathlib.Path(raw)
-        raise _bad(path, tp, raw)
-    if origin in (list, tuple, set, frozenset) or tp in (list, tuple):
-        return _convert_seq(raw, tp, origin or tp, args, path, cli)
-    if origin is dict or tp is dict:
-        if cli and isinstance(raw, str):
-            raw = _json(raw, path, tp)
-        if not isinstance(raw, dict):
-            raise _bad(path, tp, raw, "give a JSON object")
-        kt, vt = args or (str, Any)
-        return {_convert(k, kt, f"{path}[{k!r}]", False): _convert(v, vt, f"{path}.{k}", False) for k, v in raw.items()}
-    sub = _dataclass_of(tp)
-    if sub is not None:
-        if isinstance(raw, sub):
-            return raw
-        if cli and isinstance(raw, str):
-            raw = _json(raw, path, tp)
-        if not isinstance(raw, dict):
-            raise _bad(path, tp, raw, "set its fields with dotted keys or give a JSON object")
-        return dict_to_config(sub, raw, path + ".")
-    if isinstance(tp, type) and isinstance(raw, tp):
-        return raw
-    raise ConfigError(f"config key {path}: unsupported field type {_type_name(tp)}")
-
-
-def _json(raw: str, path: str, tp: Any) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise _bad(path, tp, raw, f"invalid JSON: {e}") from None
-
-
-def _convert_seq(raw: Any, tp: Any, container: Any, args: tuple, path: str, cli: bool) -> Any:
-    if cli and isinstance(raw, str):
-        text = raw.strip()
-        if text.startswith("["):
-            items, cli_items = _json(text, path, tp), False
-            if not isinstance(items, list):
-                raise _bad(path, tp, raw)
-        else:
-            items, cli_items = ([s.strip() for s in text.split(",")] if text else []), True
-    elif isinstance(raw, (list, tuple)):
-        items, cli_items = list(raw), False
-    else:
-        raise _bad(path, tp, raw, "give a comma list or a JSON list")
-    if container is tuple and args and args[-1] is not Ellipsis:
-        if len(items) != len(args):
-            raise _bad(path, tp, raw, f"needs exactly {len(args)} items")
-        types_ = list(args)
-    else:
-        types_ = [args[0] if args else Any] * len(items)
-    out = [_convert(v, t, f"{path}[{i}]", cli_items) for i, (v, t) in enumerate(zip(items, types_))]
-    return tuple(out) if container is tuple else (set(out) if container in (set, frozenset) else out)
+#: top-level fields that --help lists first: what a user sets before anything else
+HELP_FIRST = ("model", "dataset")
 
 
 # ---- building configs ---------------------------------------------------------------------------
@@ -286,37 +68,6 @@ class _Leaf:
 class _DictPatch:
     items: dict
 
-
-def _field_default(f: dataclasses.Field) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
-    return _UNSET
-
-
-def _invalid(cls: type, path: str, msg: str) -> str:
-    """A config class's own error as the user wrote the key: ``OptimizerConfig.lr=...`` set at
-    ``optimizer.`` reads ``optimizer.lr=...``; a message that already names the path stays."""
-    if msg.startswith(cls.__name__ + "."):
-        msg = path + msg[len(cls.__name__) + 1:]
-    if not path or msg.startswith(path):
-        return f"invalid config: {msg}"
-    return f"invalid config {path.rstrip('.')}: {msg}"
-
-
-def _construct(cls: type[T], kwargs: dict[str, Any], path: str, base: Any = _UNSET) -> T:
-    try:
-        if base is not _UNSET and isinstance(base, cls):
-            return dataclasses.replace(base, **kwargs)
-        missing = [n for n, f in _init_fields(cls).items() if n not in kwargs and _field_default(f) is _UNSET]
-        if missing:
-            raise ConfigError(f"missing required config key(s): {', '.join(path + m for m in missing)}")
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(_invalid(cls, path, str(e))) from None
 
 
 def _materialize(cls: type[T], node: _Node, default: Any, path: str) -> T:
@@ -348,7 +99,8 @@ def _unknown_key(cls: type, key: str) -> ConfigError:
     )
 
 
-def _assign(cls: type, root: _Node, key: str, raw: str) -> None:
+def _assign(cls: type, root: _Node, key: str, raw: Any, cli: bool = True, text: str | None = None) -> None:
+    """Record one setting; ``cli``: ``raw`` is command-line text, else a typed file value (``text``: as written)."""
     parts = key.split(".")
     if any(not p for p in parts):
         raise ConfigError(f"malformed config key {key!r}")
@@ -361,7 +113,7 @@ def _assign(cls: type, root: _Node, key: str, raw: str) -> None:
         path = ".".join(parts[: depth + 1])
         rest = parts[depth + 1:]
         if not rest:
-            node.children[name] = _Leaf(_convert(raw, tp, path, cli=True))
+            node.children[name] = _Leaf(_convert(_as_written(raw, tp, text), tp, path, cli))
             return
         sub = _dataclass_of(tp)
         if sub is not None:
@@ -376,7 +128,7 @@ def _assign(cls: type, root: _Node, key: str, raw: str) -> None:
         if typing.get_origin(inner) is dict or inner is dict:
             vt = (typing.get_args(inner) or (str, Any))[1]
             item = ".".join(rest)
-            value = _convert(raw, vt, key, cli=True)
+            value = _convert(raw, vt, key, cli)
             child = node.children.get(name)
             if isinstance(child, _Leaf):
                 child = _DictPatch(dict(child.value or {}))
@@ -388,79 +140,95 @@ def _assign(cls: type, root: _Node, key: str, raw: str) -> None:
         raise ConfigError(f"config key {key!r}: {path} is of type {_type_name(tp)} and has no sub-keys")
 
 
+def _as_written(raw: Any, tp: Any, text: str | None) -> Any:
+    """A plain YAML scalar given to a str or path field is the text as written: ``trial_name: 007``
+    is "007", not the integer 7 (and ``name: yes`` not True)."""
+    if text is not None and raw is not None and not isinstance(raw, str):
+        if _split_optional(tp)[0] in (str, pathlib.Path):
+            return text
+    return raw
+
+
+def _at(where: str, e: ConfigError) -> ConfigError:
+    """``e`` with the file and line of the setting that caused it (``conf.yaml:7: ...``)."""
+    if not where:
+        return e
+    out = ConfigError(f"{where}: {e}")
+    out.__dict__.update(e.__dict__)
+    return out
+
+
+def _where_named(msg: str, origin: dict[str, str]) -> str:
+    """The file:line of the key a config class's own check names (``invalid config: batch_size
+    must be >= 1``), when a file set it last; "" when the command line did or no key is named."""
+    best = ""
+    for key, where in origin.items():
+        if where and len(key) > len(best) and re.search(rf"(?<![\w.]){re.escape(key)}(?!\w|\.\w)", msg):
+            best = key
+    return origin.get(best, "") if best else ""
+
+
+def _cli_setting(arg: str) -> Setting:
+    if "=" not in arg:
+        extra = " (options: --help, --import MODULE)" if arg.startswith("-") else ""
+        raise ConfigError(f"expected key=value, got {arg!r}{extra}")
+    key, raw = arg.split("=", 1)
+    return Setting(key.strip(), raw, cli=True)
+
+
+def _preset_settings(cls: type, settings: list[Setting]) -> list[Setting]:
+    """The items of each preset the settings choose (``cls.PRESETS[key][value]``, the last choice wins)."""
+    presets: dict[str, dict[str, list[str]]] = getattr(cls, "PRESETS", None) or {}
+    first: list[Setting] = []
+    for key, table in presets.items():
+        chosen = [s for s in settings if s.key == key]
+        if not chosen:
+            continue
+        name = chosen[-1].value.strip() if isinstance(chosen[-1].value, str) else chosen[-1].value
+        if name is None or name == "":
+            continue
+        if not isinstance(name, str) or name not in table:
+            hint = closest(str(name), list(table))
+            raise _at(chosen[-1].where, ConfigError(
+                f"{key}={name!r} is not a preset; known: {', '.join(table)}"
+                + (f" (did you mean {', '.join(hint)}?)" if hint else "")))
+        first += [_cli_setting(item) for item in table[name]]
+    return first
+
+
 def expand_presets(cls: type, argv: list[str]) -> list[str]:
     """``argv`` with each preset key's items (``cls.PRESETS[key][value]``, e.g. ``algorithm=dapo``)
     put first: a preset only sets defaults, every key it sets stays overridable by a later item."""
-    presets: dict[str, dict[str, list[str]]] = getattr(cls, "PRESETS", None) or {}
-    first: list[str] = []
-    for key, table in presets.items():
-        chosen = [a.split("=", 1)[1].strip() for a in argv if a.split("=", 1)[0].strip() == key and "=" in a]
-        if not chosen or not chosen[-1]:
-            continue
-        name = chosen[-1]
-        if name not in table:
-            hint = closest(name, list(table))
-            raise ConfigError(f"{key}={name!r} is not a preset; known: {', '.join(table)}"
-                              + (f" (did you mean {', '.join(hint)}?)" if hint else ""))
-        first += list(table[name])
-    return first + list(argv)
+    chosen = _preset_settings(cls, [_cli_setting(a) for a in argv if "=" in a])
+    return [f"{s.key}={s.value}" for s in chosen] + list(argv)
 
 
 def parse_overrides(cls: type[T], argv: list[str], base: T | None = None) -> T:
-    """Build ``cls`` (or update ``base``) from ``key=value`` items; later items win. Preset keys
-    (``cls.PRESETS``) expand first (see :func:`expand_presets`)."""
+    """Build ``cls`` (or update ``base``) from ``key=value`` items; later items win.
+
+    ``--config FILE`` / ``--config=FILE`` items load YAML or JSON files
+    (:mod:`realflow.api.config_files`) *under* every ``key=value`` item, whatever their
+    position: files are the base a command line adjusts, and later files win over earlier
+    ones.  Preset keys (``cls.PRESETS``, e.g. ``algorithm=dapo``, from a file or the command
+    line) expand before everything (see :func:`expand_presets`).  An error about a key a file
+    set names the file and line.
+    """
     if not dataclasses.is_dataclass(cls):
         raise ConfigError(f"{cls!r} is not a dataclass config class")
+    files, pairs = split_config_files(argv)
+    settings = file_settings(cls, files) + [_cli_setting(a) for a in pairs]
     root = _Node()
-    for arg in expand_presets(cls, argv):
-        if "=" not in arg:
-            extra = " (options: --help, --import MODULE)" if arg.startswith("-") else ""
-            raise ConfigError(f"expected key=value, got {arg!r}{extra}")
-        key, raw = arg.split("=", 1)
-        _assign(cls, root, key.strip(), raw)
-    return _materialize(cls, root, base if base is not None else _UNSET, "")
-
-
-def dict_to_config(cls: type[T], d: dict[str, Any], _path: str = "") -> T:
-    """Rebuild a config from plain data (e.g. :func:`config_to_dict` output received over msgpack).
-
-    Missing keys take the class defaults; unknown keys and bad values raise :class:`ConfigError`.
-    """
-    if not isinstance(d, dict):
-        raise ConfigError(f"config {_path.rstrip('.') or cls.__name__}: expected a dict, got {type(d).__name__}")
-    fields, hints = _init_fields(cls), _hints(cls)
-    kwargs = {}
-    for k, v in d.items():
-        if k not in fields:
-            hint = closest(str(k), list(fields))
-            raise ConfigError(
-                f"unknown config key {_path + str(k)!r}"
-                + (f"; did you mean {', '.join(_path + h for h in hint)}?" if hint else "")
-            )
-        kwargs[k] = _convert(v, hints[k], _path + k, cli=False)
-    return _construct(cls, kwargs, _path)
-
-
-def config_to_dict(obj: Any) -> Any:
-    """A plain, JSON-able copy of a config (enums -> values, paths -> str, tuples -> lists)."""
-    return _plain(obj, type(obj).__name__)
-
-
-def _plain(v: Any, path: str) -> Any:
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        return {f.name: _plain(getattr(v, f.name), f"{path}.{f.name}") for f in dataclasses.fields(v) if f.init}
-    if isinstance(v, enum.Enum):
-        return _plain(v.value, path)
-    if isinstance(v, pathlib.PurePath):
-        return str(v)
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, (list, tuple, set, frozenset)):
-        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
-        return [_plain(x, f"{path}[{i}]") for i, x in enumerate(items)]
-    if isinstance(v, dict):
-        return {str(k): _plain(x, f"{path}.{k}") for k, x in v.items()}
-    raise ConfigError(f"config value {path} of type {type(v).__name__} is not plain data")
+    origin: dict[str, str] = {}  # key -> the file:line that set it last ("" = the command line)
+    for s in _preset_settings(cls, settings) + settings:
+        try:
+            _assign(cls, root, s.key, s.value, s.cli, s.text)
+        except ConfigError as e:
+            raise _at(s.where, e) from None
+        origin[s.key] = s.where
+    try:
+        return _materialize(cls, root, base if base is not None else _UNSET, "")
+    except ConfigError as e:
+        raise _at(_where_named(str(e), origin), e) from None
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -473,9 +241,17 @@ def _doc(cls: type) -> str:
     return doc.split("\n\n")[0].strip()
 
 
+def _help_order(fields: dict[str, dataclasses.Field], top: bool) -> list[tuple[str, dataclasses.Field]]:
+    """Declaration order, except that at the top :data:`HELP_FIRST` (the model, the data) lead."""
+    items = list(fields.items())
+    if not top:
+        return items
+    return sorted(items, key=lambda kv: HELP_FIRST.index(kv[0]) if kv[0] in HELP_FIRST else len(HELP_FIRST))
+
+
 def _help_lines(cls: type, prefix: str, default_obj: Any, lines: list[str]) -> None:
     hints = _hints(cls)
-    for name, f in _init_fields(cls).items():
+    for name, f in _help_order(_init_fields(cls), top=not prefix):
         tp = hints[name]
         default = getattr(default_obj, name) if default_obj is not _UNSET else _field_default(f)
         sub = _dataclass_of(tp)
@@ -498,23 +274,40 @@ def _help_lines(cls: type, prefix: str, default_obj: Any, lines: list[str]) -> N
             lines.append(f"      {text}")
 
 
-def format_help(cls: type, prog: str | None = None) -> str:
-    """Usage text listing every key (dotted path), its type, default and ``metadata["help"]``."""
-    lines = [f"usage: {prog or 'python -m ...'} [--import MODULE ...] [key=value ...]"]
+#: the options of :func:`parse_cli`, as (flag, what it does) rows of the --help options block
+DEFAULT_OPTIONS: tuple[tuple[str, str], ...] = (
+    ("--config FILE", "a YAML or JSON config file (repeatable: later files win; key=value items win over files)"),
+    ("--import MODULE", "import a plugin module first (repeatable)"),
+    ("-h, --help", "show this text"),
+)
+
+
+def format_help(cls: type, prog: str | None = None, *, usage: str | None = None,
+                options: Sequence[tuple[str, str]] = DEFAULT_OPTIONS) -> str:
+    """Usage text listing every key (dotted path), its type, default and ``metadata["help"]``.
+
+    ``usage`` replaces the first line and ``options`` the options block, for an entry point
+    with options of its own (the launcher's --check, --dry-run, ...); keys of the fields in
+    :data:`HELP_FIRST` come first, the rest in declaration order.
+    """
+    lines = [usage or f"usage: {prog or 'python -m ...'} [--import MODULE ...] [key=value ...] [--config FILE ...]"]
     doc = _doc(cls)
     if doc:
         lines += ["", doc]
-    lines += ["", f"{cls.__name__} keys (set with key=value; nested keys with dots):"]
+    if options:
+        width = max(len(flag) for flag, _ in options)
+        lines += ["", "options:"]
+        for flag, what in options:  # a description's further lines line up under its first
+            first, *more = what.split("\n")
+            lines += [f"  {flag.ljust(width)}  {first}"] + [" " * (width + 4) + m.strip() for m in more]
+    lines += ["", f"{cls.__name__} keys (set with key=value; nested keys with dots; in a --config file as nested "
+                  "mappings or dotted keys):"]
     _help_lines(cls, "", _UNSET, lines)
     for key, table in (getattr(cls, "PRESETS", None) or {}).items():
         lines += ["", f"{key}=NAME presets (each sets these keys first; any of them can still be overridden):"]
         for name, items in table.items():
             lines.append(f"  {key}={name}: {' '.join(items) if items else '(the experiment defaults)'}")
-    lines += [
-        "",
-        "values: bool = true/false/1/0/yes/no; lists = 1,2,3 or JSON; Optional = none; dicts = JSON",
-        "--import MODULE  import a plugin module first (repeatable); -h/--help  show this text",
-    ]
+    lines += ["", "values: bool = true/false/1/0/yes/no; lists = 1,2,3 or JSON; Optional = none; dicts = JSON"]
     return "\n".join(lines)
 
 
@@ -559,7 +352,8 @@ def pop_override(argv: list[str], key: str) -> tuple[str | None, list[str]]:
 
 
 def parse_cli(cls: type[T], argv: list[str] | None = None, prog: str | None = None, *, exit_on_error: bool = True) -> T:
-    """The whole command line: ``--import`` modules, ``--help`` (prints and exits 0), then overrides.
+    """The whole command line: ``--import`` modules, ``--help`` (prints and exits 0), then
+    ``--config`` files and ``key=value`` overrides (:func:`parse_overrides`).
 
     With ``exit_on_error`` a :class:`ConfigError` prints one line to stderr and exits 2.
     """

@@ -1,16 +1,23 @@
 """Shared command line of every ``realflow.apps.main_*`` entry point.
 
-    python -m realflow.apps.main_sft [key=value ...] [--import MOD] [--dry-run | --check] [--help]
+    python -m realflow.apps.main_sft [--config FILE ...] [key=value ...] [--import MOD]
+                                     [--check | --dry-run | --print-config] [--console] [--help]
 
-Parses and checks the config (bad keys and graphs fail here, in one line), prepares
-the experiment once (data, tokenizer, initial weights), checks data rows and
-checkpoints against the plan (:mod:`realflow.system.preflight`), then starts the
-master and the model workers as separate processes through the local scheduler and
-renders the master's progress records on the console.  ``--dry-run`` stops after the
-plan (drawn, nothing prepared); ``--check`` after every check, before any worker.
+Resolves the config (defaults, then ``--config`` files in order, then ``key=value``
+overrides) and checks it (bad keys and graphs fail here, in one line), prepares the
+experiment once (data, tokenizer, initial weights), checks data rows and checkpoints
+against the plan (:mod:`realflow.system.preflight`), writes the resolved config to
+``<run dir>/config.yaml``, then starts the master and the model workers as separate
+processes through the local scheduler (each reads that file, so every process of the run
+has the same config) and renders the master's progress records on the console.
+``--print-config`` prints the resolved config and stops; ``--dry-run`` stops after the plan
+(drawn, nothing prepared); ``--check`` runs every check, data tokenisation included, but
+prepares nothing (no SFT start trained, no data generated, nothing downloaded or written):
+what ``prepare()`` would make is listed as not checked.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -18,6 +25,7 @@ import time
 from typing import Optional
 
 from realflow.api.config import ConfigError, format_help, import_modules, parse_overrides
+from realflow.api.config_files import dump_config, experiment_of, write_config
 from realflow.api.dataset import DataRowError
 from realflow.api.experiment import experiment_registry
 from realflow.base import names
@@ -30,58 +38,105 @@ from realflow.system.preflight import PreflightError, preflight
 from realflow.system.progress import ProgressFollower
 
 BUILTIN_MODULES = ["experiments"]
-USAGE = ("usage: python -m realflow.apps.{app} [key=value ...] [--import MODULE] [--dry-run | --check] [--console] "
-         "[--help]")
+USAGE = ("usage: python -m realflow.apps.{app} [--config FILE ...] [key=value ...] [--import MODULE ...] "
+         "[--check | --dry-run | --print-config] [--console] [--help]")
+#: the launcher's options, as (flag, what it does): the options block of every experiment's --help
+OPTIONS: tuple[tuple[str, str], ...] = (
+    ("--config FILE", "YAML or JSON config (nested or dotted keys; `experiment: NAME` picks the experiment);"
+                      "\nrepeatable: later files win, key=value items win over files"),
+    ("--import MODULE", "import a plugin module first: your experiments, graphs, interfaces (repeatable)"),
+    ("--check", "run every check (config, plan, data, checkpoints, placement); start nothing"),
+    ("--dry-run", "print the plan and draw it to <run dir>/plan.png; prepare and start nothing"),
+    ("--print-config", "print the resolved config as YAML (a run saves it as <run dir>/config.yaml) and exit"),
+    ("--console", "every process's log lines on this console instead of the progress bar"),
+    ("-h, --help", "this text"),
+)
+MODES = ("dry-run", "check", "print-config")
+#: the resolved config, in the run directory: what every process of the run reads
+CONFIG_FILE = "config.yaml"
 
 
 class UsageError(Exception):
     pass
 
 
-def _split_args(argv: list[str]) -> tuple[list[str], list[str], Optional[str], bool, Optional[str]]:
-    """(imports, overrides, mode: None | "dry-run" | "check", show_help, experiment)."""
-    imports, overrides = [], []
-    mode: Optional[str] = None
-    show_help = False
-    experiment = None
+@dataclasses.dataclass
+class CommandLine:
+    """The launcher's arguments, sorted: options apart, ``key=value`` overrides in their order."""
+
+    imports: list[str] = dataclasses.field(default_factory=list)
+    overrides: list[str] = dataclasses.field(default_factory=list)
+    configs: list[str] = dataclasses.field(default_factory=list)
+    mode: Optional[str] = None  # one of MODES, or None: run
+    show_help: bool = False
+    experiment: Optional[str] = None  # experiment=NAME
+    console: bool = False
+
+
+def _split_args(argv: list[str]) -> CommandLine:
+    args = CommandLine()
     it = iter(argv)
     for a in it:
         if a in ("-h", "--help"):
-            show_help = True
-        elif a in ("--dry-run", "--check"):
-            if mode not in (None, a[2:]):
-                raise UsageError("--dry-run and --check exclude each other")
-            mode = a[2:]
-        elif a == "--import":
-            mod = next(it, None)
-            if mod is None:
-                raise UsageError("--import needs a module name")
-            imports.append(mod)
-        elif a.startswith("--import="):
-            imports.append(a.split("=", 1)[1])
+            args.show_help = True
+        elif a in ("--console",):
+            args.console = True
+        elif a.startswith("--") and a[2:] in MODES:
+            if args.mode not in (None, a[2:]):
+                raise UsageError(f"--{args.mode} and {a} exclude each other")
+            args.mode = a[2:]
+        elif a in ("--import", "--config"):
+            value = next(it, None)
+            if value is None or value.startswith("-"):
+                what = "a module name" if a == "--import" else "a file (e.g. --config run.yaml)"
+                raise UsageError(f"{a} needs {what}")
+            (args.imports if a == "--import" else args.configs).append(value)
+        elif a.startswith(("--import=", "--config=")):
+            (args.imports if a.startswith("--import=") else args.configs).append(a.split("=", 1)[1])
         elif a.startswith("experiment="):
-            experiment = a.split("=", 1)[1]
+            args.experiment = a.split("=", 1)[1]
         elif a.startswith("-"):
-            raise UsageError(f"unknown option '{a}'")
+            raise UsageError(f"unknown option '{a}'" + _did_you_mean(a))
         else:
-            overrides.append(a)
-    return imports, overrides, mode, show_help, experiment
+            args.overrides.append(a)
+    return args
+
+
+def _did_you_mean(option: str) -> str:
+    from realflow.api.registry import closest
+
+    known = [flag.split()[0] for flag, _ in OPTIONS] + ["-h"]
+    hint = closest(option.split("=", 1)[0], known)
+    return f"; did you mean {', '.join(hint)}?" if hint else f" (options: {', '.join(known)})"
+
+
+def page(text: str) -> int:
+    """Print ``text`` (help, a config) to stdout; a reader that stops early (``| head``) is no error. 0."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # silence the flush at exit too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
 
 
 def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str = "main") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        console = "--console" in argv
-        argv = [a for a in argv if a != "--console"]
-        imports, overrides, mode, show_help, exp_arg = _split_args(argv)
-        experiment = exp_arg or experiment
+        args = _split_args(argv)
+        imports, mode, console = args.imports, args.mode, args.console
         import_modules(BUILTIN_MODULES + imports)
+        named = None if args.experiment else experiment_of(args.configs)  # (name, file:line) or None
+        experiment = args.experiment or (named[0] if named else experiment)
         if experiment is None:
-            raise UsageError(f"name the experiment: experiment=NAME (known: {', '.join(experiment_registry.names())})")
-        cls = experiment_registry.get(experiment)
-        if show_help:
-            print(format_help(cls, prog=f"python -m realflow.apps.{app}"))
-            return 0
+            raise UsageError(f"name the experiment: experiment=NAME, or `experiment: NAME` in a --config file "
+                             f"(known: {', '.join(experiment_registry.names())})")
+        try:
+            cls = experiment_registry.get(experiment)
+        except KeyError as e:  # a file named it: say where
+            raise UsageError(f"{named[1]}: {e}" if named else str(e)) from None
+        if args.show_help:
+            return page(format_help(cls, usage=USAGE.format(app=app), options=OPTIONS))
+        overrides = [f"--config={f}" for f in args.configs] + args.overrides  # files first, key=value on top
         cfg = parse_overrides(cls, overrides)
         setup = cfg.setup()
         # nothing is written yet: a symlink in an existing run directory that leads out is refused here
@@ -90,10 +145,13 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
             from realflow.system.planner.auto import choose_allocation
 
             chosen, why = choose_allocation(setup)
-            print(why, flush=True)
+            print(why, file=sys.stderr if mode == "print-config" else sys.stdout, flush=True)
             overrides = [*overrides, f"allocation={chosen}"]
             cfg = parse_overrides(cls, overrides)
             setup = cfg.setup()
+        resolved = dump_config(cfg, experiment)  # as parsed: what prepare() may do to cfg is not the user's config
+        if mode == "print-config":
+            return page(resolved.rstrip("\n"))
         plan = compile_plan(setup)
         plan.graph.check_references(roles=setup.models)  # interfaces registered (plugins are imported by now)
         check_installed(setup.wandb)  # here, not in the master: a missing optional package is a usage error
@@ -115,9 +173,13 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
             print(f"processes and flows drawn to {procs}")
         return 0
     try:
-        cfg.prepare()
-        preflight(setup)
-        compile_plan(setup)  # again: layouts are checked against checkpoints that prepare() just made
+        if mode == "check":  # --check never trains, generates or downloads: what prepare() makes is skipped
+            _check_creatable(setup.run_dir)
+            notes = preflight(setup, pending=cfg.pending_paths())
+        else:
+            cfg.prepare()
+            notes = preflight(setup)
+            compile_plan(setup)  # again: layouts are checked against checkpoints that prepare() just made
     except (PreflightError, DataRowError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -128,10 +190,31 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
         print(f"error: cannot prepare the run{which}: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     if mode == "check":
-        print(f"ok: {experiment}: config, data, checkpoints and the placement of {setup.n_workers} worker(s) "
-              f"checked; nothing started")
+        for note in notes:
+            print(f"  {note}")
+        print(f"ok: {experiment}: config, data (rows and lengths), checkpoints and the placement of "
+              f"{setup.n_workers} worker(s) checked; nothing started")
         return 0
-    return launch(experiment, imports, overrides, setup, merged_console=console)
+    try:  # every process of the run reads this file: one config for the run and its relaunches
+        config_path = write_config(os.path.join(setup.run_dir, CONFIG_FILE), resolved)
+    except OSError as e:
+        print(f"error: cannot write the run's config to {setup.run_dir}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    return launch(experiment, imports, [f"--config={config_path}"], setup, merged_console=console)
+
+
+def _check_creatable(run_dir: str) -> None:
+    """The run directory can be made (as ``--check`` must leave nothing behind: a directory made in
+    its nearest existing parent and removed at once); OSError names the parent otherwise."""
+    import tempfile
+
+    parent = run_dir
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".realflow-check-", dir=parent))
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror} (cannot create directories in {parent})", run_dir) from None
 
 
 def launch(experiment: str, imports: list[str], overrides: list[str], setup, merged_console: bool = False) -> int:

@@ -1,4 +1,4 @@
-"""Asynchronous PPO / GRPO: ``python -m realflow.apps.main_async_ppo [key=value ...]``.
+"""Asynchronous PPO / GRPO: ``python -m realflow.apps.main_async_ppo [--config FILE ...] [key=value ...]``.
 
 With no arguments it runs ``async-grpo-math`` on CPU: the SFT default's checkpoint
 (trained first if absent) improved with asynchronous GRPO, one generation server and
@@ -7,11 +7,13 @@ one trainer process (``allocation="gen:d1+train:d1"``), staleness bounded by
 every step. ``--help`` lists every field; ``--dry-run`` prints the plan and draws it.
 """
 import sys
+from typing import Optional
 
 from realflow.apps.launch import main as launch_main
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
+    """The console script's entry: ``--help`` lists every key and option; the exit code is the run's."""
     return launch_main("async-grpo-math", argv, app="main_async_ppo")
 
 

@@ -161,7 +161,7 @@ def preflight(setup: ExperimentSetup, pending: Sequence[str] = ()) -> list[str]:
             notes.append(f"model '{role}': {spec.path} not checked (the run creates it first)")
             continue
         check_checkpoint(spec.path, f"model '{role}'")
-        if spec.tokenizer_path and spec.tokenizer_path != spec.path:
+        if spec.tokenizer_path and spec.tokenizer_path != spec.path and not _pending(spec.tokenizer_path, pending):
             check_tokenizer(spec.tokenizer_path, f"model '{role}'")
     tok = _data_tokenizer(setup)
     data = [(setup.dataset, "training data")]

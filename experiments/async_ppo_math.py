@@ -53,8 +53,9 @@ class AsyncRolloutConfig:
     max_concurrent_rollouts: int = field(default=64, metadata={"help": "rollouts in flight per rollout worker"})
     agent: str = field(default="math", metadata={"help": "registered agent (realflow.api.agent registry)"})
     agent_args: dict[str, Any] = field(default_factory=dict, metadata={
-        "help": "extra agent arguments (JSON); the math agent also gets n_samples, max_new_tokens, temperature, "
-                "reward and reward_args from the ppo/reward fields"})
+        "help": "extra agent arguments (JSON); the math agent also gets n_samples, max_new_tokens, the ppo "
+                "sampling keys (temperature, top_p, top_k, min_p, stop, stop_token_ids), reward and reward_args "
+                "from the ppo/reward fields"})
     reward_timeout_s: float = field(default=10.0, metadata={"help": "per reward call, in the reward process pool"})
     reward_processes: int = field(default=1, metadata={"help": "reward process pool size per rollout worker"})
     agent_timeout_s: float = field(default=600.0, metadata={
@@ -130,11 +131,11 @@ class _AsyncBase(_RLBase):
                                    expected_config=planned)}
         if gcfg.use_ref:
             models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok, expected_config=planned)
-        data_args: dict[str, Any] = {"max_prompt_len": self.dataset.max_prompt_len}
+        data_args = self.data_args()
         agent_args = dict(r.agent_args)
         if r.agent == "math":
             agent_args = {"n_samples": h.n_samples, "max_new_tokens": h.max_new_tokens,
-                          "temperature": h.temperature, "reward": self.reward,
+                          **h.sampling_args(), "reward": self.reward,
                           "reward_args": dict(self.reward_args), **agent_args}
         try:
             spec = RolloutSpec(

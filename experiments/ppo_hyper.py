@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from mfc.normalization import NormConfig
 
@@ -22,6 +22,18 @@ class PPOHyperConfig:
     n_samples: int = field(default=8, metadata={"help": "responses per prompt"})
     max_new_tokens: int = field(default=16, metadata={"help": "response length cap"})
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_p: float = field(default=1.0, metadata={
+        "help": "nucleus sampling: keep the most likely tokens up to this mass, in (0, 1] (1 = off). Top-p, top-k "
+                "and min-p sample from a truncation of the policy that is trained (the loss does not see it)"})
+    top_k: int = field(default=-1, metadata={"help": "keep the k most likely tokens (-1 = off)"})
+    min_p: float = field(default=0.0, metadata={
+        "help": "keep tokens whose probability is >= min_p x the most likely one's, after temperature, in [0, 1] "
+                "(0 = off)"})
+    stop: list[str] = field(default_factory=list, metadata={
+        "help": "stop strings: a response ends after the token that completes one (kept in the response; a JSON "
+                "list for strings with commas)"})
+    stop_token_ids: list[int] = field(default_factory=list, metadata={
+        "help": "token ids that end a response, besides the tokenizer's eos"})
     ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch"})
     n_minibatches: int = field(default=2, metadata={"help": "optimizer steps per pass"})
     eps_clip: float = field(default=0.2, metadata={"help": "PPO ratio clip: ratio in [1 - eps_clip, 1 + eps_clip]"})
@@ -110,7 +122,26 @@ class PPOHyperConfig:
             raise bad("dual_clip", "must be > 1 (or none: off)")
         if self.ref_ema_eta is not None and not 0.0 < self.ref_ema_eta <= 1.0:
             raise bad("ref_ema_eta", "must be in (0, 1] (or none: the reference stays fixed)")
+        self._check_sampling(bad)
         self._check_combinations()
+
+    def _check_sampling(self, bad: Callable[[str, str], ValueError]) -> None:
+        """The sampling keys, with the ranges the generation engine accepts (so a bad one fails here,
+        at launch, not in the first rollout)."""
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1] (1 = off)")
+        if not is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
+            raise bad("top_k", "must be -1 (off) or an integer >= 1")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1] (0 = off)")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) and x for x in self.stop):
+            raise bad("stop", "must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
 
     def _check_combinations(self) -> None:
         """Keys that each work alone but not together: one line naming both."""
@@ -149,9 +180,15 @@ class PPOHyperConfig:
             out["reward_norm"] = dataclasses.asdict(self.reward_norm)
         return out
 
+    def sampling_args(self) -> dict[str, Any]:
+        """How responses are sampled: fields of the same names in ``PPOActorInterface`` (synchronous
+        generation and held-out sampling) and the ``math`` agent (asynchronous rollouts)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids)}
+
     def actor_args(self) -> dict[str, Any]:
         """``mfc.ppo_actor.PPOActorInterface`` fields of the loss and the sampling."""
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+        return {"max_new_tokens": self.max_new_tokens, **self.sampling_args(),
                 "ppo_epochs": self.ppo_epochs, "n_minibatches": self.n_minibatches, "eps_clip": self.eps_clip,
                 "eps_clip_high": self.eps_clip_high, "dual_clip": self.dual_clip,
                 "entropy_coef": self.entropy_coef, "loss_agg": self.loss_agg,

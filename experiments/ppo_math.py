@@ -231,7 +231,7 @@ class _RLBase(BaseExperimentConfig):
         return EvalSpec(role=ACTOR, dataset=DatasetSpec(format=self.dataset.format, path=test, args=data_args),
                         interface_impl="ppo_actor",
                         interface_args={"eval_max_new_tokens": h.max_new_tokens, "eval_n_samples": self.eval_n_samples,
-                                        "max_new_tokens": h.max_new_tokens, "temperature": h.temperature,
+                                        "max_new_tokens": h.max_new_tokens, **h.sampling_args(),
                                         "seed": self.seed, "eval_reward": reward, "eval_reward_args": reward_args},
                         freq_steps=self.eval_freq_steps)
 

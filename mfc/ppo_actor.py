@@ -66,8 +66,12 @@ class PPOActorInterface(ModelInterface):
     n_samples: int = 1
     max_new_tokens: int = 16
     temperature: float = 1.0  # != 1: behaviour and trained logprobs are both of the tempered policy
+    # truncation (see _sampling): top_p in (0, 1], top_k -1 = off, min_p in [0, 1] (0 = off)
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)  # stop strings (the response keeps them)
+    stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's eos
     seed: int = 1
     ppo_epochs: int = 1
     n_minibatches: int = 1
@@ -92,6 +96,10 @@ class PPOActorInterface(ModelInterface):
     behav_imp_weight_cap: Optional[float] = None
 
     def __post_init__(self) -> None:
+        # bad sampling settings fail when the interface is built, not at the first generate
+        sp = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                            stop=self.stop, stop_token_ids=self.stop_token_ids).validate()
+        self.stop, self.stop_token_ids = sp.stop, sp.stop_token_ids  # a single string -> [string]
         self.adv_cfg = AdvantageConfig(**{"max_new_tokens": self.max_new_tokens, **self.adv})
         self.kl = KLPenalty(self.adv_cfg)
         kl_in_loss = self.adv_cfg.kl_in == "loss"
@@ -110,13 +118,9 @@ class PPOActorInterface(ModelInterface):
         tok = model.tokenizer
         prompts = [batch.sequences("packed_prompts", i)[0].tolist() for i in range(len(batch))]
         gen = generator_for(model, max(map(len, prompts), default=1) + self.max_new_tokens)
-        params = []
-        for sid in batch.ids:  # seeds: reproducible per (run seed, weight version, sample)
-            seed = zlib.crc32(f"{self.seed}/{model.version}/{sid}".encode())
-            params.append(SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                                         top_p=self.top_p, top_k=self.top_k, n=self.n_samples, seed=seed,
-                                         logprob_mode="raw" if self.temperature == 1.0 else "sampling",
-                                         stop_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else []))
+        # seeds: reproducible per (run seed, weight version, sample)
+        params = [self._sampling(tok, self.n_samples, zlib.crc32(f"{self.seed}/{model.version}/{sid}".encode()))
+                  for sid in batch.ids]
         results = gen.generate(prompts, params)
         ids, pmask, lps, no_eos = [], [], [], []
         for i in range(len(batch)):
@@ -136,6 +140,25 @@ class PPOActorInterface(ModelInterface):
             no_eos.append(g_ne)
         return SequenceBatch.from_samples(batch.ids, {INPUT_IDS: ids, PROMPT_MASK: pmask, LOGPROBS: lps,
                                                       NO_EOS: no_eos})
+
+    def _sampling(self, tok: Any, n: int, seed: int) -> SamplingParams:
+        """How responses are sampled (training and held-out pass@1 alike).
+
+        Top-p / top-k / min-p draw from a truncation of the tempered policy that the loss
+        trains (``logprobs(..., temperature)`` sees the whole vocabulary): the behaviour
+        policy differs from the trained one on the cut tokens. Behaviour log-probs are the
+        untruncated ones at T = 1 (``raw``, what the trainer recomputes) and the exact
+        truncated, renormalised ones otherwise (``sampling``); the loss is unchanged.
+        """
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, n=n, seed=seed, stop=list(self.stop),
+                              stop_token_ids=self._stop_ids(tok),
+                              logprob_mode="raw" if self.temperature == 1.0 else "sampling")
+
+    def _stop_ids(self, tok: Any) -> list[int]:
+        """The tokenizer's eos, then ``stop_token_ids``."""
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        return eos + [t for t in self.stop_token_ids if t not in eos]
 
     # ---- inference: logprobs under the current weights -----------------------------------------
     def inference(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> Optional[SequenceBatch]:
@@ -227,18 +250,16 @@ class PPOActorInterface(ModelInterface):
         eng = model.module
         prompts = [batch.sequences("packed_prompts", i)[0].tolist() for i in range(len(batch))]
         tok = model.tokenizer
-        stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
         sampled = None
         if eng.groups.strategy.pp == 1 and not getattr(eng, "critic", False):
             gen = generator_for(model, max(map(len, prompts), default=1)
                                 + max(self.eval_max_new_tokens, self.max_new_tokens))
+            # greedy: no truncation, but a response ends where a training one would
             res = gen.generate(prompts, SamplingParams(max_new_tokens=self.eval_max_new_tokens, temperature=0.0,
-                                                       stop_token_ids=stop))
+                                                       stop=list(self.stop), stop_token_ids=self._stop_ids(tok)))
             outputs = [r.output_ids for r in res]
             if self.eval_n_samples:
-                params = [SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                                         top_p=self.top_p, top_k=self.top_k, n=self.eval_n_samples,
-                                         seed=zlib.crc32(f"eval/{self.seed}/{sid}".encode()), stop_token_ids=stop)
+                params = [self._sampling(tok, self.eval_n_samples, zlib.crc32(f"eval/{self.seed}/{sid}".encode()))
                           for sid in batch.ids]
                 res = gen.generate(prompts, params)
                 k = self.eval_n_samples

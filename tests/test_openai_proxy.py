@@ -7,6 +7,8 @@ behind the real rollout controller's server pool.
   transformers' log-probs of those tokens under the served weights;
 * a second turn is spliced onto the first turn's exact token ids (never re-tokenized),
   and both export modes turn the session into the right trajectories;
+* ``top_k`` / ``min_p`` (extra body fields) reach the engine: the tokens and log-probs
+  recorded follow transformers' logits truncated as asked;
 * bad requests get OpenAI-style error bodies with 4xx codes, which the client raises
   as its own exception types.
 """
@@ -221,6 +223,46 @@ def test_bad_requests_get_openai_errors(served):
     assert raw["bad_json"][0] == 400 and "JSON" in raw["bad_json"][1]["error"]["message"]
     assert raw["no_body_messages"][1]["error"]["param"] == "messages"
     assert raw["reward_unknown"][0] == 404
+
+
+@pytest.mark.timeout(120)
+def test_top_k_and_min_p_reach_the_engine(served):
+    """``top_k`` / ``min_p`` as extra body fields (as vLLM / SGLang take them) are sampled with:
+    min_p = 1 or top_k = 1 is greedy at any temperature, and top_k = 3 with min_p = 0.2 draws
+    only tokens both keep, recorded with the renormalised behaviour log-probs (T != 1:
+    ``logprob_mode="sampling"``), all against transformers' logits."""
+    _, tok, model = served
+
+    async def body(proxy, s):
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.key, max_retries=0)
+        for extra, t, seed in (({"min_p": 1.0}, 1.8, 1), ({"top_k": 1}, 1.8, 2), ({"top_k": 3, "min_p": 0.2}, 1.5, 3)):
+            await client.completions.create(model="policy", prompt="347+", max_tokens=12, temperature=t, seed=seed,
+                                            extra_body=extra)
+        errs = {}
+        for name, extra in (("min_p", {"min_p": 2}), ("top_k", {"top_k": -5})):
+            try:
+                await client.completions.create(model="policy", prompt="347+", max_tokens=4, extra_body=extra)
+            except openai.BadRequestError as e:
+                errs[name] = e.body
+        return list(s.records), errs
+
+    recs, errs = _run(served, body)
+    assert len(recs) == 3
+    for i, rec in enumerate(recs):
+        ids = rec.prompt_ids + rec.output_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, len(rec.prompt_ids) - 1:-1].double()
+        out = torch.tensor(rec.output_ids)
+        if i < 2:
+            assert out.tolist() == logits.argmax(-1).tolist(), i
+            continue
+        p = torch.softmax(logits / 1.5, -1)
+        keep = (p >= 0.2 * p.max(-1, keepdim=True).values) & (p >= p.topk(3, -1).values[:, -1:])
+        assert bool(keep.gather(1, out[:, None]).all()), "a token outside top_k=3 / min_p=0.2 was drawn"
+        want = (p.gather(1, out[:, None]).squeeze(1) / (p * keep).sum(-1)).log()
+        assert max(abs(a - b) for a, b in zip(rec.logprobs, want.tolist())) < LOGPROB_ATOL
+    for name in ("min_p", "top_k"):
+        assert errs[name]["param"] == name and errs[name]["message"].startswith(f"Invalid value for '{name}'")
 
 
 def test_tool_calls_parse_and_resplice_on_the_generated_tokens(served):

@@ -82,7 +82,7 @@ class _Seq:
         # tokens to decode when looking for a stop string (a token is >= 1 byte, a char <= 4)
         self.stop_window = 4 * max((len(s) for s in params.stop), default=0) + 8
         self.samples = not params.greedy
-        self.truncates = self.samples and (params.top_k > 0 or params.top_p < 1.0)
+        self.truncates = self.samples and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0)
 
     def result(self, reason: dict[str, Any]) -> GenerationResult:
         return GenerationResult(self.rid, self.prompt, self.out, self.logprobs, self.versions,
@@ -93,7 +93,7 @@ class _Seq:
 class _RowFlags:
     sampled: list[int]  # rows (relative) that sample rather than take the argmax
     rows: Optional[torch.Tensor]  # the same as a tensor, None when all or none sample
-    truncate: bool  # some sampled row has top-k / top-p
+    truncate: bool  # some sampled row has top-k / top-p / min-p
     lp_sampling: bool  # some row wants logprob_mode="sampling"
     stop_ids: bool  # some row has stop token ids
     stop_strings: list[int]  # rows with stop strings
@@ -143,6 +143,7 @@ class GenerationEngine:
         self._temp = torch.ones(slots, dtype=torch.float32, device=dev)
         self._top_k = torch.zeros(slots, dtype=torch.long, device=dev)
         self._top_p = torch.ones(slots, dtype=torch.float32, device=dev)
+        self._min_p = torch.zeros(slots, dtype=torch.float32, device=dev)
         self._lp_sampling = torch.zeros(slots, dtype=torch.bool, device=dev)
         self._budget = torch.zeros(slots, dtype=torch.long, device=dev)  # tokens it may still add
         self._stops = torch.full((slots, 4), -1, dtype=torch.long, device=dev)  # stop ids, -1 pad
@@ -446,6 +447,7 @@ class GenerationEngine:
         self._temp[rows] = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps])
         self._top_k[rows] = torch.tensor([p.top_k for p in ps], dtype=torch.long)
         self._top_p[rows] = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
+        self._min_p[rows] = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
         self._lp_sampling[rows] = torch.tensor([p.logprob_mode != "raw" for p in ps])
         self._budget[rows] = torch.tensor(
             [min(p.max_new_tokens, self._max_context - len(s.prompt)) - len(s.out)
@@ -463,7 +465,7 @@ class GenerationEngine:
         self._stops[rows] = table.to(dev)
 
     def _slot_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self._last, self._pos, self._temp, self._top_k, self._top_p, self._lp_sampling,
+        return (self._last, self._pos, self._temp, self._top_k, self._top_p, self._min_p, self._lp_sampling,
                 self._budget, self._stops)
 
     def _row_flags(self, row0: int, B: int) -> "_RowFlags":
@@ -490,10 +492,10 @@ class GenerationEngine:
         uniform = torch.tensor([seqs[i].rng.random() for i in flags.sampled], dtype=torch.float64,
                                device=self._pos.device)
         sl = slice(row0, row0 + len(seqs))
-        temp, top_k, top_p = self._temp[sl], self._top_k[sl], self._top_p[sl]
+        temp, top_k, top_p, min_p = self._temp[sl], self._top_k[sl], self._top_p[sl], self._min_p[sl]
         if flags.rows is not None:
-            temp, top_k, top_p = temp[flags.rows], top_k[flags.rows], top_p[flags.rows]
-        return SampleBatch(flags.rows, temp, top_k, top_p, uniform, truncate=flags.truncate)
+            temp, top_k, top_p, min_p = temp[flags.rows], top_k[flags.rows], top_p[flags.rows], min_p[flags.rows]
+        return SampleBatch(flags.rows, temp, top_k, top_p, min_p, uniform, truncate=flags.truncate)
 
     def _accept(self, row0: int, logits: torch.Tensor, finished: dict[int, dict[str, Any]],
                 decode: bool) -> None:

@@ -6,7 +6,15 @@ its output depends on its seed alone, not on which other requests share the
 batch, and one uniform per token is far cheaper than per-row generators.
 
 Order of the warpers (as transformers): temperature, then top-k, then top-p on
-the renormalised top-k distribution (the most likely token is always kept).
+the renormalised top-k distribution, then min-p (the most likely token is always
+kept).  Min-p keeps the tokens whose probability is at least ``min_p`` times the
+most likely one's (SGLang's and transformers' meaning); that ratio does not change
+under renormalisation, so min-p keeps the same tokens wherever it sits in the
+order: the result is the intersection of the three truncations, as in SGLang.
+
+Any truncation makes the behaviour policy differ from the untruncated tempered
+softmax a trainer recomputes; ``logprob_mode="sampling"`` reports the truncated,
+renormalised probability (the exact behaviour probability).
 """
 from __future__ import annotations
 
@@ -31,8 +39,9 @@ class SampleBatch:
     temperature: torch.Tensor  # [S] fp32, > 0
     top_k: torch.Tensor  # [S] long, 0 = off
     top_p: torch.Tensor  # [S] fp32, 1 = off
+    min_p: torch.Tensor  # [S] fp32, 0 = off
     uniform: torch.Tensor  # [S] fp64 draws in [0, 1)
-    truncate: bool  # some row has top-k or top-p
+    truncate: bool  # some row has top-k, top-p or min-p
 
 
 def sample(logits: torch.Tensor, b: Optional[SampleBatch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,7 +60,7 @@ def sample(logits: torch.Tensor, b: Optional[SampleBatch]) -> tuple[torch.Tensor
     tokens = logits.argmax(-1) if b.rows is not None else None
     scaled = (logits if b.rows is None else logits[b.rows]) / b.temperature[:, None]
     probs = torch.softmax(scaled, dim=-1)
-    if b.truncate:  # top-k / top-p in sorted order, then back to vocabulary order
+    if b.truncate:  # top-k / top-p / min-p in sorted order, then back to vocabulary order
         srt, order = probs.sort(dim=-1, descending=True)
         ranks = torch.arange(V, device=logits.device)[None, :]
         k = torch.where(b.top_k > 0, b.top_k, V)
@@ -59,7 +68,8 @@ def sample(logits: torch.Tensor, b: Optional[SampleBatch]) -> tuple[torch.Tensor
         kept = kept / kept.sum(-1, keepdim=True)
         before = kept.cumsum(-1) - kept  # mass of the more likely tokens
         kept = kept * ((before < b.top_p[:, None]) | (b.top_p[:, None] >= 1.0))
-        truncating = (b.top_k > 0) | (b.top_p < 1.0)
+        kept = kept * (srt >= b.min_p[:, None] * srt[:, :1])  # srt[:, :1]: the top probability
+        truncating = (b.top_k > 0) | (b.top_p < 1.0) | (b.min_p > 0.0)
         # rows without a warper keep their probabilities bit for bit, so a row's draw never
         # depends on which other rows share the batch
         probs = torch.where(truncating[:, None], torch.zeros_like(probs).scatter_(1, order, kept), probs)

@@ -10,12 +10,16 @@ factories in (:data:`generation_backends`).  ``parallel.generation`` registers
 Logprob semantics (``SamplingParams.logprob_mode``):
 
 * ``"raw"`` (default, as SGLang): log-softmax of the model's unmodified logits,
-  i.e. before temperature, top-k and top-p.  This is what a trainer recomputes
+  i.e. before temperature, top-k, top-p and min-p.  This is what a trainer recomputes
   with a plain forward, so PPO ratios compare like with like at temperature 1.
 * ``"sampling"``: log-probability under the distribution the token was actually
-  drawn from (after temperature and top-k/top-p renormalisation) - the exact
+  drawn from (after temperature and top-k/top-p/min-p renormalisation) - the exact
   behaviour-policy probability, for off-policy corrections when T != 1.
   Greedy requests (temperature 0) report 0.0 (probability 1) in this mode.
+
+Top-p, top-k and min-p make the behaviour policy a truncation of the policy a
+trainer recomputes (which sees only the tempered softmax): ``"sampling"`` reports
+the truncated probability, ``"raw"`` the untruncated one; neither makes them equal.
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0  # in (0, 1]
     top_k: int = -1  # -1 = off; >= 1 keeps the k most likely tokens
+    min_p: float = 0.0  # in [0, 1], 0 = off; keeps tokens with prob >= min_p x the top prob (after temperature)
     n: int = 1  # samples per prompt; sample i uses seed + i
     seed: Optional[int] = None  # None: drawn from the engine's own generator
     stop: list[str] = field(default_factory=list)  # stop strings (need a tokenizer)
@@ -78,6 +83,8 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", "must be -1 (off) or an integer >= 1")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1] (0 = off)")
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
@@ -97,7 +104,7 @@ class SamplingParams:
             raise bad("ignore_eos", "must be a boolean")
         if self.logprob_mode not in LOGPROB_MODES:
             raise bad("logprob_mode", f"must be one of {LOGPROB_MODES}")
-        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
         return self
 
     @property

@@ -2,8 +2,9 @@
 
 Agents written against the OpenAI API (the official ``openai`` client, or any framework
 built on it) talk to the policy through ``POST /v1/chat/completions`` and
-``POST /v1/completions`` (streaming or not, ``n``, ``temperature``, ``top_p``,
-``max_tokens``, ``stop``, ``seed``, ``logprobs``, ``tools`` through the chat template)
+``POST /v1/completions`` (streaming or not, ``n``, ``temperature``, ``top_p``, and
+``top_k`` / ``min_p`` as extra body fields as in vLLM and SGLang, ``max_tokens``, ``stop``,
+``seed``, ``logprobs``, ``tools`` through the chat template)
 and ``GET /v1/models``. Each agent run is a *session* with its own API key
 (``Authorization: Bearer <key>``); every completion served in it is recorded with its
 exact prompt and output token ids, behaviour log-probs and weight versions
@@ -196,7 +197,8 @@ class OpenAIProxy:
         eos = self.tok.eos_token_id
         s.calls += 1
         return {"max_new_tokens": req.max_tokens or limit, "temperature": req.temperature, "top_p": req.top_p,
-                "stop": list(req.stop), "stop_token_ids": [eos] if eos is not None else [],
+                "top_k": req.top_k, "min_p": req.min_p, "stop": list(req.stop),
+                "stop_token_ids": [eos] if eos is not None else [],
                 "seed": req.seed if req.seed is not None else (s.seed * 1000003 + s.calls) % (2 ** 31),
                 # behaviour log-probs of the distribution sampled from (tempered) unless T = 1
                 "logprob_mode": "raw" if req.temperature == 1.0 else "sampling"}

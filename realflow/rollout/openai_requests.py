@@ -5,6 +5,11 @@ ignore (a presence penalty, top log-probs) would train on something other than w
 it asked for. Parameters that do not change what is sampled (``user``,
 ``metadata``...) are accepted; ones that would, and that the engine does not do,
 are refused with a 400 naming the parameter, as OpenAI refuses unknown ones.
+
+``top_k`` and ``min_p`` are accepted as extra body fields (the openai client's
+``extra_body``), as vLLM and SGLang accept them: ``top_k`` -1 or 0 = off, ``min_p``
+in [0, 1] (0 = off). Like ``top_p`` they sample from a truncation of the policy that
+is trained; the recorded behaviour log-probs are the gen server's (``logprob_mode``).
 """
 from __future__ import annotations
 
@@ -17,9 +22,9 @@ __all__ = ["APIError", "ChatRequest", "CompletionRequest", "parse_chat", "parse_
 _HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
              "reasoning_effort", "modalities", "prediction", "web_search_options", "safety_identifier",
              "prompt_cache_key", "verbosity", "suffix"}
-_SAMPLING = {"model", "n", "temperature", "top_p", "max_tokens", "max_completion_tokens", "stop", "stream",
-             "seed", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias", "echo",
-             "best_of"}
+_SAMPLING = {"model", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "max_completion_tokens", "stop",
+             "stream", "seed", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
+             "echo", "best_of"}
 _CHAT = _SAMPLING | {"messages", "tools", "tool_choice", "response_format", "functions", "function_call"}
 _COMPLETION = _SAMPLING | {"prompt"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -43,6 +48,8 @@ class _Common:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    min_p: float = 0.0  # 0 = off
     max_tokens: Optional[int] = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -120,13 +127,20 @@ def _common(body: Any, allowed: set[str], served: str, max_n: int) -> dict[str, 
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise _bad("stream_options", "expected an object")
+    top_p = body.get("top_p")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise _bad("top_p", f"expected a number in (0, 1], got {top_p!r}")  # 0 would keep nothing: the engine's range
+    top_k = body.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+        raise _bad("top_k", f"expected an integer >= 1, or -1 / 0 for off, got {top_k!r}")
     seed = _int(body, "seed", -(2 ** 63))
     max_tokens = _int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1)
     return {"model": model, "n": _int(body, "n", 1, max_n) or 1,
             "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-            "top_p": _number(body, "top_p", 1.0, 0.0, 1.0), "max_tokens": max_tokens, "stop": stop,
+            "top_p": 1.0 if top_p is None else float(top_p), "top_k": -1 if top_k in (None, 0) else top_k,
+            "min_p": _number(body, "min_p", 0.0, 0.0, 1.0), "max_tokens": max_tokens, "stop": stop,
             "stream": stream, "include_usage": bool(opts.get("include_usage")), "seed": seed}
 
 

@@ -30,7 +30,7 @@ import sys
 import typing
 from typing import Any, Sequence, TypeVar
 
-from realflow.api.config_files import Setting, file_settings, split_config_files
+from realflow.api.config_files import Setting, file_settings, split_config_files, split_option
 from realflow.api.config_values import (
     _UNSET, ConfigError, _construct, _convert, _dataclass_of, _field_default, _hints, _init_fields, _plain,
     _split_optional, _type_name, config_to_dict, dict_to_config, field_paths,
@@ -317,18 +317,7 @@ def wants_help(argv: list[str]) -> bool:
 
 def split_imports(argv: list[str]) -> tuple[list[str], list[str]]:
     """Separate ``--import MOD`` / ``--import=MOD`` (repeatable) from the other arguments."""
-    modules, rest, it = [], [], iter(argv)
-    for a in it:
-        if a == "--import":
-            mod = next(it, None)
-            if mod is None or mod.startswith("-") or "=" in mod:
-                raise ConfigError("--import needs a module name (e.g. --import my_package.graphs)")
-            modules.append(mod)
-        elif a.startswith("--import="):
-            modules.append(a.split("=", 1)[1])
-        else:
-            rest.append(a)
-    return modules, rest
+    return split_option(argv, "--import", "a module name (e.g. --import my_package.graphs)")
 
 
 def import_modules(modules: list[str]) -> None:

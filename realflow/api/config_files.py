@@ -74,20 +74,26 @@ class ConfigFile:
     experiment_at: str = ""  # file:line of `experiment:`
 
 
-def split_config_files(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Separate ``--config FILE`` / ``--config=FILE`` (repeatable, in order) from the other arguments."""
-    files, rest, it = [], [], iter(argv)
+def split_option(argv: list[str], flag: str, example: str) -> tuple[list[str], list[str]]:
+    """Separate a repeatable ``FLAG VALUE`` / ``FLAG=VALUE`` option (values in order) from the other
+    arguments; a flag without a value is an error showing ``example``."""
+    values, rest, it = [], [], iter(argv)
     for a in it:
-        if a == "--config":
-            path = next(it, None)
-            if path is None or path.startswith("-") or "=" in path:
-                raise ConfigError("--config needs a file (e.g. --config run.yaml)")
-            files.append(path)
-        elif a.startswith("--config="):
-            files.append(a.split("=", 1)[1])
+        if a == flag:
+            value = next(it, None)
+            if value is None or value.startswith("-") or "=" in value:
+                raise ConfigError(f"{flag} needs {example}")
+            values.append(value)
+        elif a.startswith(flag + "="):
+            values.append(a.split("=", 1)[1])
         else:
             rest.append(a)
-    return files, rest
+    return values, rest
+
+
+def split_config_files(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate ``--config FILE`` / ``--config=FILE`` (repeatable, in order) from the other arguments."""
+    return split_option(argv, "--config", "a file (e.g. --config run.yaml)")
 
 
 def load_config_file(path: str) -> ConfigFile:

@@ -26,7 +26,7 @@ class UserDataConfig:
     train_path: str = field(default="", metadata={
         "help": f"training data: {DATA_FILES_HELP} ('' = the generated task)"})
     test_path: str = field(default="", metadata={
-        "help": f"held-out data, same formats ('' = generated with the training data)"})
+        "help": "held-out data, same formats ('' = the generated task's; none when train_path is given)"})
     prompt_key: str = field(default="", metadata={
         "help": "field holding the prompt: text or a list of {role, content} ('' = prompt | question | problem, "
                 "or messages); dotted names reach nested fields"})

@@ -23,7 +23,7 @@ from experiments.tasks.registry import get_task
 from graphs.ppo import ACTOR, CRITIC, REF, REWARD, PPOGraphConfig
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
-from realflow.base.hf_models import describe_supported, resolve_model_path
+from realflow.base.hf_models import describe_supported, resolve_checked_model, resolve_model_path
 from realflow.api.experiment import (BaseExperimentConfig, DatasetSpec, EvalSpec, ExperimentSetup,
                                      GroupFilterSpec, ModelSpec, OptimizerConfig, register_experiment)
 
@@ -97,7 +97,7 @@ class _RLBase(BaseExperimentConfig):
         """(actor checkpoint, tokenizer, train data, test data); a hub id resolves to its snapshot in
         the local HF cache (an id not there is a one-line error naming the cache and how to fetch it)."""
         m = self.model
-        actor = (resolve_model_path(m.path, m.revision, "model.path") if m.path
+        actor = (resolve_checked_model(m.path, m.revision, "model.path") if m.path
                  else os.path.join(self._sft_dir(), "checkpoints", "default", "final"))
         tok = resolve_model_path(m.tokenizer_path, m.revision, "model.tokenizer_path") if m.tokenizer_path else actor
         d = self.dataset
@@ -195,7 +195,7 @@ class _RLBase(BaseExperimentConfig):
         if gcfg.use_ref:
             models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok, expected_config=planned)
         if use_critic:
-            critic = (resolve_model_path(self.model.critic_path, self.model.revision, "model.critic_path")
+            critic = (resolve_checked_model(self.model.critic_path, self.model.revision, "model.critic_path")
                       if self.model.critic_path else actor)
             models[CRITIC] = ModelSpec(role=CRITIC, path=critic, tokenizer_path=tok,
                                        optimizer=self.critic_optimizer, backend_args={"critic": True},
@@ -223,9 +223,12 @@ class _RLBase(BaseExperimentConfig):
             REWARD_FUNCTIONS.get(name)  # an unknown reward fails here, naming the close ones
         return name, dict(self.reward_args) if name == self.reward else {}
 
-    def _eval_spec(self, test: str, data_args: dict[str, Any]) -> EvalSpec:
+    def _eval_spec(self, test: str, data_args: dict[str, Any]) -> Optional[EvalSpec]:
         """Held-out greedy accuracy and pass@1 of the actor (``eval_n_samples`` seeded samples per prompt),
-        scored as :meth:`_eval_reward` says."""
+        scored as :meth:`_eval_reward` says; none for a user's training data without ``dataset.test_path``
+        (the generated task's held-out set would measure something else)."""
+        if self.dataset.train_path and not self.dataset.test_path:
+            return None
         h = self.ppo
         reward, reward_args = self._eval_reward()
         return EvalSpec(role=ACTOR, dataset=DatasetSpec(format=self.dataset.format, path=test, args=data_args),

@@ -345,3 +345,17 @@ def test_tokenizer_is_deterministic(tmp_path, model):
     a = make_chat_tokenizer(str(tmp_path / "a"), assistant_mask=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert open(os.path.join(a, name)).read() == open(os.path.join(model[0], name)).read(), name
+
+
+def test_every_experiment_refuses_an_unsupported_model_in_one_line(tmp_path_factory, tmp_path):
+    """model.path of a model realflow cannot build: one line naming it, from every entry point."""
+    _, ckpt = shared_chat_model(tmp_path_factory)
+    bad = make_unsupported_checkpoint(str(tmp_path / "mamba"), ckpt)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for app in ("main_sft", "main_sync_ppo", "main_async_ppo"):
+        res = subprocess.run([sys.executable, "-m", f"realflow.apps.{app}", f"model.path={bad}",
+                              f"fileroot={tmp_path / 'root'}", "--dry-run"], cwd=repo, capture_output=True,
+                             text=True, timeout=120)
+        assert res.returncode == 2, (app, res.stdout, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and "MambaForCausalLM is not supported" in lines[0], (app, res.stderr)

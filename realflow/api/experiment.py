@@ -205,7 +205,7 @@ class NameResolveConfig:
     """Where processes of a run find each other (DESIGN §4, Discovery)."""
 
     type: str = field(default="file", metadata={"help": "file | etcd | redis"})
-    root: str = field(default="", metadata={"help": "file backend directory ('' = <fileroot>/name_resolve)"})
+    root: str = field(default="", metadata={"help": "file backend directory ('' = <run dir>/name_resolve)"})
     host: str = field(default="127.0.0.1", metadata={"help": "etcd or redis host"})
     port: int = field(default=0, metadata={"help": "etcd or redis port (0 = the backend's default: 2379 etcd, 6379 redis)"})
 

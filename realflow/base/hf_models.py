@@ -206,3 +206,22 @@ def describe_supported() -> str:
     """One line for ``--help`` and the README: the families users can bring."""
     families = ", ".join(f"{name} ({arch})" for name, arch in _FAMILY_NAMES)
     return f"{families}; critics/reward models as the matching *ForTokenClassification"
+
+
+def resolve_checked_model(ref: str, revision: str = "main", what: str = "model.path") -> str:
+    """:func:`resolve_model_path`, then :func:`check_architecture` on its ``config.json`` when it has
+    one: a model realflow cannot build is refused where the config is read, before any layout or
+    worker is planned for it."""
+    import json
+
+    path = resolve_model_path(ref, revision, what)
+    cfg = os.path.join(path, "config.json")
+    if os.path.isfile(cfg):
+        try:
+            with open(cfg) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return path  # unreadable: the preflight's checkpoint check names it
+        if isinstance(config, dict):
+            check_architecture(config, f"{what}: {cfg}")
+    return path

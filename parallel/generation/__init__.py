@@ -1,4 +1,4 @@
-"""realflow's built-in generation engine (DESIGN §7) and its backends.
+"""realflow's built-in generation engine and its backends.
 
 Importing this package registers the ``builtin`` and ``sglang`` entries of
 :data:`realflow.api.generation.generation_backends`, so that

@@ -1,4 +1,4 @@
-"""Parameter reallocation between layouts (DESIGN.md section 6), EMA blending, offload.
+"""Parameter reallocation between layouts, EMA blending, offload.
 
 Typical use on every rank of the world::
 

@@ -1,4 +1,4 @@
-"""Public contracts of realflow (DESIGN §2): everything a user's experiment, graph or
+"""Public contracts of realflow: everything a user's experiment, graph or
 interface touches, and everything the runtime knows about them.
 
 registry (named extension points), mfc (MFCDef), dfg (DataFlowGraph), interface

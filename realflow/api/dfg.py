@@ -4,7 +4,7 @@ Edges are not declared; they follow from keys.  An MFC that lists ``k`` in its
 ``input_keys`` depends on the single MFC that lists ``k`` in its
 ``output_keys`` (or on the data set, when ``k`` is a data set key).  Because
 the whole execution plan is derived from this, the graph is checked when it
-is built (DESIGN §5.1) and every error names the MFC(s) and key(s) involved:
+is built and every error names the MFC(s) and key(s) involved:
 
 * empty or duplicate MFC names, invalid MFC fields;
 * a key produced twice (two MFCs, or an MFC and the data set);

@@ -202,7 +202,7 @@ class ExperimentSetup:
 
 @dataclass
 class NameResolveConfig:
-    """Where processes of a run find each other (DESIGN §4, Discovery)."""
+    """Where processes of a run find each other."""
 
     type: str = field(default="file", metadata={"help": "file | etcd | redis"})
     root: str = field(default="", metadata={"help": "file backend directory ('' = <run dir>/name_resolve)"})

@@ -1,4 +1,4 @@
-"""The generation-backend contract (DESIGN §7): one interface, several engines.
+"""The generation-backend contract: one interface, several engines.
 
 The gen server (:mod:`realflow.rollout.gen_server`) must not import ``parallel/``,
 so what it needs from an engine is written down here: request parameters

@@ -2,7 +2,7 @@
 
 One process per run. It is the only place that knows the weight version the servers
 run and how many rollouts exist at each version, so it is where staleness is bounded
-(DESIGN §8), from exact counts it keeps itself:
+from exact counts it keeps itself:
 
 * ``admitted[w]``: rollouts admitted while the servers ran version ``w``;
 * ``failed[w]``: those whose agent raised (they will never reach the trainer).

@@ -1,6 +1,6 @@
 """The master of an asynchronous run: the same step loop, fed by a trajectory stream.
 
-What changes from :class:`~realflow.system.master.Master` (DESIGN §8):
+What changes from :class:`~realflow.system.master.Master`:
 
 * a step's batch is not fetched from a data set but picked from the rollouts buffered
   in the model workers' trajectory inboxes, oldest first, under the exact staleness

@@ -8,10 +8,10 @@ needs, the others ``grpo-math``) trains from the same SFT start on the long-tail
 of the asynchronous PPO default (``worked_arithmetic``: multi-step worked answers, 96 new tokens),
 with the same seed, batch and step budget, through the real launcher on the CPU default
 (``--app async``: ``main_async_ppo``, where ``ppo`` is refused at config time: an asynchronous
-run trains no critic). The start is the task's shipped SFT run made careless (``--slip-rate``
-of its demonstrations end in a near-miss answer): the shipped start already samples 80% right,
-and a start with less SFT errs by lack of skill, which 100 RL steps on a 0.57M-parameter model
-do not fix (a 450-step start: pass@1 +0.02..+0.06 for every preset, inside the noise). Printed per preset: held-out pass@1 (mean exact match of samples at the policy's
+run trains no critic). The start is the task's shipped SFT start, which is careless
+(``--slip-rate``, default the task's ``dataset.slip_rate=0.3``, of its demonstrations end in a
+near-miss answer): a clean start already samples 80% right, and a start with less SFT errs by
+lack of skill, which 100 RL steps on a 0.57M-parameter model do not fix (a 450-step start: pass@1 +0.02..+0.06 for every preset, inside the noise). Printed per preset: held-out pass@1 (mean exact match of samples at the policy's
 temperature) before and after, its gain, the reward curve's area (mean training reward over the
 run), seconds and tokens per step, clip fraction and the sampled tokens' entropy; the PNG
 (``<fileroot>/algorithms.png``) draws the reward curves. Every preset must learn: its pass@1 gain
@@ -40,46 +40,22 @@ TASK = ["dataset.task=worked_arithmetic", "ppo.max_new_tokens=96", "dataset.n_te
 
 
 def _careless_start(fileroot: str, slip_rate: float) -> str:
-    """The SFT start every preset trains from: the task's shipped SFT run (same data, steps and
-    tokenizer corpus), except that a ``slip_rate`` share of the demonstrations end in a near-miss
-    final answer after correct working (:func:`examples.careless.near_miss`). Sampled at
-    temperature 1 such a start slips about that often where its greedy answer is right: RL has
-    slips to remove, and held-out pass@1 can rise towards greedy accuracy."""
-    import random
-
-    from examples.careless import near_miss
-    from examples.own_start import write_jsonl
+    """The SFT start every preset trains from: the task's shipped start, whose ``dataset.slip_rate``
+    (0.3) share of demonstrations end in a near-miss final answer after correct working
+    (:mod:`experiments.tasks.careless`). Sampled at temperature 1 such a start slips about that
+    often where its greedy answer is right: RL has slips to remove, and held-out pass@1 can rise
+    towards greedy accuracy. Another ``slip_rate`` trains the same SFT run at that rate, under its
+    own trial name (0: the clean start)."""
     from experiments.tasks.registry import get_task
-    from experiments.tasks.tokenizer import ensure_tokenizer
-    from realflow.api.config import import_modules, parse_overrides
-    from realflow.api.experiment import experiment_registry
 
-    trial = f"bench-careless-{slip_rate:g}"
+    task = get_task("worked_arithmetic")
+    shipped = float(dict(a.split("=", 1) for a in task.sft_args).get("dataset.slip_rate", 0))
+    trial = task.sft_trial if slip_rate == shipped else f"worked_arithmetic_slip{slip_rate:g}"
     path = os.path.join(fileroot, "sft", trial, "checkpoints", "default", "final")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    task = get_task("worked_arithmetic")
-    import_modules(["experiments"])
-    sft = parse_overrides(experiment_registry.get("sft"), list(task.sft_args))
-    clean = os.path.join(fileroot, "data", "bench-worked-clean")
-    task.ensure_dataset(clean, sft.dataset.n_train, sft.dataset.n_test, sft.dataset.data_seed, task.difficulty)
-    rng = random.Random(f"bench-careless:{slip_rate}")
-    rows = []
-    with open(os.path.join(clean, "train.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            if rng.random() < slip_rate:
-                working, _ = row["solution"].rsplit("#### ", 1)
-                row = {**row, "solution": f"{working}#### {near_miss(rng, int(row['answer']))}"}
-            rows.append(row)
-    careless = os.path.join(fileroot, "data", f"bench-worked-careless-{slip_rate:g}")
-    os.makedirs(careless, exist_ok=True)
-    write_jsonl(os.path.join(careless, "train.jsonl"), rows)
-    tok = ensure_tokenizer(os.path.join(clean, "tokenizer"), [os.path.join(clean, "train.jsonl")])
     cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={fileroot}", *task.sft_args,
-           f"trial_name={trial}", f"model.tokenizer_path={tok}",
-           f"dataset.train_path={os.path.join(careless, 'train.jsonl')}",
-           f"dataset.test_path={os.path.join(clean, 'test.jsonl')}"]
+           f"dataset.slip_rate={slip_rate:g}", f"trial_name={trial}"]
     print("$", " ".join(cmd[2:]), flush=True)
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if res.returncode != 0 or not os.path.isfile(os.path.join(path, "config.json")):
@@ -153,7 +129,8 @@ def main() -> int:
     ap.add_argument("--presets", default=",".join(ALGORITHMS))
     ap.add_argument("--fileroot", default="")
     ap.add_argument("--slip-rate", type=float, default=0.3,
-                    help="share of the start's SFT answers that slip (0: the shipped start)")
+                    help="share of the start's SFT answers that slip (0.3: the task's shipped start; 0: a clean "
+                         "start)")
     ap.add_argument("--app", choices=("sync", "async"), default="sync")
     args, extra = ap.parse_known_args()
     root = args.fileroot or tempfile.mkdtemp(prefix="bench_algorithms-")
@@ -162,8 +139,7 @@ def main() -> int:
         presets.remove("ppo")
         print("ppo: not run asynchronously (refused at config time: GAE needs a critic, and an asynchronous "
               "run trains none)")
-    if args.slip_rate:
-        extra = [f"model.path={_careless_start(root, args.slip_rate)}", *extra]
+    extra = [f"model.path={_careless_start(root, args.slip_rate)}", *extra]
     unknown = sorted(set(presets) - set(ALGORITHMS))
     if unknown:
         raise SystemExit(f"unknown preset(s) {unknown}; known: {', '.join(ALGORITHMS)}")
@@ -174,7 +150,7 @@ def main() -> int:
         r = table[-1]
         print(f"  {p}: pass@1 {r['before']:.3f} -> {r['after']:.3f}, reward area {r['reward_area']:.3f}, "
               f"{r['s_per_step']:.2f} s/step", flush=True)
-    start = f"a careless start ({args.slip_rate:g} of its SFT answers slip)" if args.slip_rate else "the shipped start"
+    start = f"a careless start ({args.slip_rate:g} of its SFT answers slip)" if args.slip_rate else "a clean start"
     print(f"\n{args.app}: {args.steps} steps x {args.batch} prompts on worked_arithmetic from {start}, seed 7, "
           f"2 CPU workers")
     print(f"{'preset':<14}{'pass@1 before':>14}{'after':>8}{'gain':>8}{'reward area':>13}{'s/step':>9}"

@@ -5,7 +5,9 @@ so every sample of a group agrees and neither GRPO nor rejection sampling has an
 learn from. A careless solver knows the answer but slips: a ``slip_rate`` share of its
 demonstrated answers are near misses. Its samples then disagree, the right answer being
 the most likely, and RL (or keeping only the rewarded samples) can remove the slips --
-measurable as held-out pass@1 at temperature 1 rising towards greedy accuracy.
+measurable as held-out pass@1 at temperature 1 rising towards greedy accuracy. The
+``worked_arithmetic`` task's shipped start is careless the same way (``dataset.slip_rate``,
+:mod:`experiments.tasks.careless`); these examples draw their own problems and rows.
 """
 from __future__ import annotations
 
@@ -13,12 +15,7 @@ import random
 from typing import Optional
 
 from experiments.tasks.arithmetic import sample_problem, solution_text
-
-
-def near_miss(rng: random.Random, result: int) -> int:
-    """A plausible wrong answer: off by one or two in the last digit, or by ten."""
-    wrong = result + rng.choice((-10, -2, -1, 1, 2, 10))
-    return wrong if wrong >= 0 and wrong != result else result + 1
+from experiments.tasks.careless import near_miss  # the near-miss rule of the shipped careless start
 
 
 def careless_rows(n: int, seed: int, difficulty: int, slip_rate: float, tag: str,

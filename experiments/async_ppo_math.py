@@ -1,6 +1,6 @@
 """Asynchronous GRPO on math prompts: ``python -m realflow.apps.main_async_ppo``.
 
-Generation servers keep generating while the trainer trains (DESIGN §8): rollout
+Generation servers keep generating while the trainer trains: rollout
 workers run the ``math`` agent (a group of ``n_samples`` answers per prompt, scored by a
 rule reward), the rollout controller admits rollouts only while the staleness bound
 ``max_head_offpolicyness`` can hold, and after every train step the new weights reach
@@ -9,8 +9,9 @@ torch.distributed broadcast to servers on other hosts; ``disk`` writes a checkpo
 
 Default: worked multi-step arithmetic (``dataset.task=worked_arithmetic``: answers of
 16 tokens at the median and 81 at p99, the long tail that makes synchronous generation
-wait), starting from that task's SFT checkpoint (``fileroot/sft/worked_arithmetic``,
-trained first if absent), one CPU generation server and one CPU trainer
+wait), starting from that task's careless SFT checkpoint
+(``fileroot/sft/worked_arithmetic_careless``: 30% of its demonstrations slip, so RL has
+something to remove; trained first if absent), one CPU generation server and one CPU trainer
 (``allocation="gen:d1+train:d1"``). ``dataset.task=arithmetic ppo.max_new_tokens=16``
 runs the short-answer task of the synchronous default instead.
 """
@@ -194,7 +195,10 @@ class AsyncGRPOMathConfig(_AsyncBase):
     batch_size: int = field(default=32, metadata={"help": "rollouts (prompts, each a group) per train step"})
     max_tokens_per_mb: int = field(default=8192, metadata={"help": "micro-batch token budget per worker"})
     total_train_epochs: int = field(default=1, metadata={"help": "(unused: the data is a stream)"})
-    max_train_steps: Optional[int] = field(default=200, metadata={"help": "train steps"})
+    max_train_steps: Optional[int] = field(default=100, metadata={
+        "help": "train steps (100: from the careless worked_arithmetic start the training reward rises from ~0.57 "
+                "and levels off near 0.82 by step ~50; held-out pass@1 0.54-0.56 -> 0.84-0.85, seeds 1-3; 200 steps "
+                "added +0.01 for twice the time)"})
     save_freq_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     eval_freq_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0 = before and after)"})
     eval_n_samples: int = field(default=8, metadata={

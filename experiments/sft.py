@@ -25,7 +25,7 @@ from realflow.api.experiment import (
     OptimizerConfig,
     register_experiment,
 )
-from realflow.base.hf_models import describe_supported, resolve_model_path
+from realflow.base.hf_models import describe_supported, resolve_checked_model, resolve_model_path
 
 
 @dataclass
@@ -51,6 +51,11 @@ class SFTDataConfig(UserDataConfig):
     difficulty: Optional[int] = field(default=None, metadata={
         "help": "max operand digits of generated problems (None = the task's default)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the generated data"})
+    slip_rate: float = field(default=0.0, metadata={
+        "help": "share of the generated training rows whose final answer is replaced by a near miss after correct "
+                "working (experiments/tasks/careless.py; 0 = clean data; only without dataset.train_path). Why: a "
+                "start trained on clean rows samples what it answers greedily, so a GRPO group's samples agree and "
+                "RL has nothing to learn; a careless start's samples disagree (its slips), and RL removes them"})
     max_prompt_len: Optional[int] = field(default=None, metadata={
         "help": "longest prompt in tokens (None = max_seq_len - 1)"})
     max_seq_len: Optional[int] = field(default=None, metadata={
@@ -60,6 +65,12 @@ class SFTDataConfig(UserDataConfig):
         from experiments.tasks.registry import get_task
 
         get_task(self.task)  # an unknown task fails here, naming the closest ones
+        if not 0.0 <= self.slip_rate < 1.0:
+            raise ValueError(f"dataset.slip_rate={self.slip_rate} must be >= 0 and < 1")
+        if self.slip_rate and self.train_path:
+            raise ValueError(f"dataset.slip_rate={self.slip_rate} makes a careless copy of the generated task data; "
+                             "with dataset.train_path write the rows you want instead "
+                             "(experiments/tasks/careless.py: careless_rows)")
         for name in ("n_train", "n_test", "max_prompt_len", "max_seq_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"dataset.{name}={getattr(self, name)} must be >= 1")
@@ -107,15 +118,27 @@ class SFTConfig(BaseExperimentConfig):
         name = f"{self._task().data_prefix}-d{self._difficulty()}-s{self.dataset.data_seed}"
         return os.path.abspath(os.path.join(self.fileroot, "data", name))
 
+    def _careless(self) -> bool:
+        """Whether the run trains on a careless copy of the generated data (dataset.slip_rate)."""
+        return not self.dataset.train_path and self.dataset.slip_rate > 0
+
+    def _clean_train(self) -> str:
+        return self.dataset.train_path or os.path.join(self._data_dir(), "train.jsonl")
+
     def _paths(self) -> tuple[str, str, str, str]:
-        """(train jsonl, test jsonl, tokenizer dir, model dir)."""
+        """(train jsonl, test jsonl, tokenizer dir, model dir). With dataset.slip_rate the train file is
+        the careless copy beside the generated data; the tokenizer and held-out data stay the clean ones."""
+        from experiments.tasks.careless import careless_path
+
         d = self._data_dir()
-        train = self.dataset.train_path or os.path.join(d, "train.jsonl")
+        train = self._clean_train()
+        if self._careless():
+            train = careless_path(train, self.dataset.slip_rate)
         test = self.dataset.test_path or os.path.join(d, "test.jsonl")
         # a tokenizer trained on user data lives with the run, not with the generated data
         own_tok = os.path.join(d if not self.dataset.train_path else self.run_dir("sft"), "tokenizer")
         m = self.model
-        model = (resolve_model_path(m.path, m.revision, "model.path") if m.path
+        model = (resolve_checked_model(m.path, m.revision, "model.path") if m.path
                  else os.path.join(self.run_dir("sft"), "init_model"))
         tok = (resolve_model_path(m.tokenizer_path, m.revision, "model.tokenizer_path") if m.tokenizer_path
                else model if m.path else own_tok)
@@ -145,6 +168,8 @@ class SFTConfig(BaseExperimentConfig):
     def pending_paths(self) -> list[str]:
         train, test, tok, model = self._paths()
         made = [train, test] if not self.dataset.train_path else []
+        if self._careless():  # the careless copy and the clean file it is made from (and the tokenizer from)
+            made.append(self._clean_train())
         if not self.model.path and not self.model.tokenizer_path:
             made.append(tok)
         if not self.model.path:
@@ -152,14 +177,17 @@ class SFTConfig(BaseExperimentConfig):
         return [p for p in made if not os.path.exists(p)]
 
     def prepare(self) -> None:
+        from experiments.tasks.careless import ensure_careless_copy
         from experiments.tasks.tokenizer import ensure_tokenizer
 
         train, test, tok, model = self._paths()
         ds = self.dataset
         if not ds.train_path:
             self._task().ensure_dataset(self._data_dir(), ds.n_train, ds.n_test, ds.data_seed, self._difficulty())
+        if self._careless():
+            ensure_careless_copy(self._clean_train(), ds.slip_rate)
         if not self.model.path and not self.model.tokenizer_path:
-            ensure_tokenizer(tok, [train])
+            ensure_tokenizer(tok, [self._clean_train()])
         if not self.model.path:
             ensure_random_checkpoint(model, tok, self.model.arch, self.seed)
 
@@ -181,7 +209,7 @@ class SFTConfig(BaseExperimentConfig):
             total_train_epochs=self.total_train_epochs,
             max_train_steps=self.max_train_steps,
             save_freq_steps=self.save_freq_steps,
-            eval=EvalSpec(
+            eval=None if self.dataset.train_path and not self.dataset.test_path else EvalSpec(
                 role="default",
                 dataset=DatasetSpec(format="prompt_answer", path=test, args=_eval_args(data_args)),
                 interface_impl="sft",

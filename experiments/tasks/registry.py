@@ -8,7 +8,12 @@ those choices together instead of spread over three configs.
   ~7 tokens; the SFT default since the first session.
 * ``worked_arithmetic`` (:mod:`experiments.tasks.worked_arithmetic`): chains of
   additions and subtractions written out step by step; response lengths have a
-  long tail -- the task where asynchronous RL matters (the async default).
+  long tail -- the task where asynchronous RL matters (the async default). Its start
+  is *careless* (``dataset.slip_rate=0.3``, :mod:`experiments.tasks.careless`): 30% of
+  its demonstrations end in a near-miss answer after correct working, so its samples
+  disagree and RL has slips to remove (a clean start samples 80% right from the outset
+  and its reward curve stays flat). Its trial name differs from the clean start's
+  (``worked_arithmetic``), so a cached clean start is never taken for it.
 * ``code_expr`` (:mod:`experiments.tasks.code_expr`): one-line Python programs from a
   short spec, checked by running them on test cases in the sandbox (``code-tests``
   reward); the code RL default (``async-grpo-code``).
@@ -57,8 +62,8 @@ TASKS: dict[str, TaskSpec] = {
     "arithmetic": TaskSpec("arithmetic", "arith", 2, _arith, (), 16, "trial0"),
     "worked_arithmetic": TaskSpec(
         "worked_arithmetic", "worked", 2, _worked,
-        ("dataset.task=worked_arithmetic", "max_train_steps=600", "eval_max_new_tokens=96"),
-        96, "worked_arithmetic"),
+        ("dataset.task=worked_arithmetic", "max_train_steps=600", "eval_max_new_tokens=96", "dataset.slip_rate=0.3"),
+        96, "worked_arithmetic_careless"),
     "code_expr": TaskSpec(
         "code_expr", "code", 2, _code,
         ("dataset.task=code_expr", "max_train_steps=400", "dataset.n_test=100"),

@@ -40,7 +40,14 @@ def _run(fileroot, trial, *overrides, timeout=300):
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """A data set, tokenizer and start shared by every run, and the id of the row to poison."""
+    from realflow.api.config import import_modules, parse_overrides
+    from realflow.api.experiment import experiment_registry
+
     fileroot = tmp_path_factory.mktemp("nonfinite")
+    sys.path.insert(0, PLUGINS)
+    import_modules(["experiments", "poison_sft"])  # --check prepares nothing: prepare as the launcher does
+    cls = experiment_registry.get("sft-poison")
+    parse_overrides(cls, [f"fileroot={fileroot}", "trial_name=prep", *FAST]).prepare()
     res = _run(fileroot, "prep", "--check")
     assert res.returncode == 0, res.stderr[-2000:]
     train = glob.glob(str(fileroot / "data" / "*" / "train.jsonl"))

@@ -140,11 +140,13 @@ class _RLBase(BaseExperimentConfig):
             from parallel.backend import read_hf_config
 
             actor = self._paths()[0]
-            ctx = context_length(read_hf_config(actor) or self.planned_actor_config())
+            real = read_hf_config(actor)  # else the SFT start prepare() will train (or nothing yet)
+            ctx = context_length(real or self.planned_actor_config())
             limit = 1024 if ctx is None else ctx - self.ppo.max_new_tokens
-            if limit < 1:
+            if limit < 1 and real is not None:
                 raise ValueError(f"ppo.max_new_tokens={self.ppo.max_new_tokens} leaves no room for a prompt in the "
                                  f"model's context of {ctx} tokens (max_position_embeddings): lower it")
+            limit = max(limit, 1) if real is not None else (limit if limit >= 1 else ctx or 1024)
         args = self.dataset.data_args(max_prompt_len=limit)
         if not self.dataset.train_path:  # generated data: its length filter, as it always was
             args["filter_overlong"] = True

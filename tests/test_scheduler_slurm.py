@@ -1,4 +1,4 @@
-"""launcher=slurm on a real Slurm: a local two-node cluster (../shared/tools/start_local_slurm.sh).
+"""launcher=slurm on a real Slurm: a local two-node cluster (tests/slurm/start_local_slurm.sh).
 
 Both virtual nodes are slurmd daemons on this host, so steps "on n2" really go through
 slurmctld, slurmd and slurmstepd of node n2. A cluster that cannot start is a FAILURE,
@@ -29,7 +29,7 @@ from realflow.scheduler.slurm_cli import NodeInfo, SlurmError
 from realflow.scheduler.slurm_plan import PlanError, plan_job
 
 REPO = Path(__file__).resolve().parent.parent
-TOOLS = REPO.parent / "shared" / "tools"
+SLURM_SCRIPTS = Path(__file__).resolve().parent / "slurm"  # start/stop_local_slurm.sh
 SLURM_ENV = {"SLURM_LOCAL_NODES": "2", "SLURM_LOCAL_CPUS": "8"}  # more CPUs than cores: several workers fit
 ON_N1_N2 = {"master": "n1", "model_worker/0": "n1", "model_worker/1": "n2"}
 NODES = [NodeInfo(f"n{i}", 16, 32000, ("debug",), True, "idle") for i in (1, 2, 3, 4)]
@@ -77,9 +77,7 @@ def test_plan_errors_name_the_config_field(cfg, names, culprit):
 @pytest.fixture(scope="session")
 def slurm():
     """Starts (idempotently) the local 2-node Slurm cluster; stops it at the end if it started it."""
-    script = TOOLS / "start_local_slurm.sh"
-    if not script.is_file():
-        pytest.fail(f"{script} not found: the Slurm tests need ../shared/tools beside the clone", pytrace=False)
+    script = SLURM_SCRIPTS / "start_local_slurm.sh"
     was_up = bool(shutil.which("scontrol")) and subprocess.run(
         ["scontrol", "ping"], capture_output=True, text=True, timeout=30).returncode == 0
     res = subprocess.run([str(script)], env={**os.environ, **SLURM_ENV}, capture_output=True, text=True,
@@ -89,7 +87,7 @@ def slurm():
                     f"{res.stdout[-2000:]}\n{res.stderr[-3000:]}", pytrace=False)
     yield
     if not was_up:
-        subprocess.run([str(TOOLS / "stop_local_slurm.sh")], capture_output=True, timeout=120)
+        subprocess.run([str(SLURM_SCRIPTS / "stop_local_slurm.sh")], capture_output=True, timeout=120)
 
 
 def _step_code(out_dir: Path, behaviour: str = "wait") -> list[str]:

@@ -13,6 +13,9 @@ import sys
 import pytest
 from conftest import copy_sft_start
 
+from realflow.base.fault_injection import ENV as FAULT_ENV
+from realflow.base.fault_injection import fired
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGINS = os.path.join(REPO, "tests", "plugins")
 # the short-answer task (the async default is worked_arithmetic, whose SFT start takes minutes)
@@ -20,9 +23,9 @@ FAST = ["dataset.task=arithmetic", "ppo.max_new_tokens=16", "dataset.n_test=32",
         "dataset.n_train=4000"]
 
 
-def _run(module_args, fileroot, *overrides, timeout=600):
+def _run(module_args, fileroot, *overrides, timeout=600, env=None):
     cmd = [sys.executable, "-m", *module_args, f"fileroot={fileroot}", *overrides]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([PLUGINS, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([PLUGINS, os.environ.get("PYTHONPATH", "")]), **(env or {}))
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -88,45 +91,16 @@ def test_failing_agent_and_slow_reward_are_counted_not_fatal(fileroot):
     assert "reward 'sleepy' did not finish" in log
 
 
-def _pids_matching(pattern: str) -> list[int]:
-    """Processes whose command line matches ``pattern`` (a /proc scan, like pgrep -f)."""
-    import re
-
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if re.search(pattern, cmd):
-                out.append(int(d))
-    return out
-
-
 @pytest.mark.timeout(300)
 def test_generation_server_killed_mid_run_the_run_goes_on(fileroot):
-    import re
-    import time
-
     trial = "killed"
     run_dir = fileroot / "async-grpo-math" / trial
-    cmd = [sys.executable, "-m", "realflow.apps.main_async_ppo", f"fileroot={fileroot}", *FAST,
-           "max_train_steps=10", "batch_size=8", "allocation=gen:d2+train:d1", f"trial_name={trial}"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    killed = False
-    deadline = time.monotonic() + 240
-    while proc.poll() is None and time.monotonic() < deadline:
-        if not killed and (run_dir / "stats.jsonl").is_file() and len(_rows(run_dir)) >= 3:
-            pids = _pids_matching(f"--role gen_server --index 0 .*fileroot={re.escape(str(fileroot))}")
-            assert pids, "gen_server/0 not found"
-            for pid in pids:
-                os.kill(pid, 9)
-            killed = True
-        time.sleep(0.2)
-    stdout, stderr = proc.communicate(timeout=60)
-    assert killed and proc.returncode == 0, stderr[-3000:]
+    # gen_server/0 (of 2) kills itself (SIGKILL) as its 5th request arrives: see realflow.base.fault_injection
+    res = _run(["realflow.apps.main_async_ppo"], fileroot, *FAST, "max_train_steps=10", "batch_size=8",
+               "allocation=gen:d2+train:d1", f"trial_name={trial}", timeout=240,
+               env={FAULT_ENV: "gen_server/0@generate=5"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert fired(str(run_dir))["process"] == "gen_server/0"  # killed
     rows = _rows(run_dir)
     assert len(rows) == 10
     log = (run_dir / "logs" / "rollout_controller.log").read_text()

@@ -1,12 +1,14 @@
 """Faults for real: kill -9 or SIGSTOP a process of a running job, and the run still ends
 exactly where an uninterrupted run with the same seed ends (bit-identical parameters),
-resumed from its last recover point by the launcher (recover_mode=auto)."""
+resumed from its last recover point by the launcher (recover_mode=auto).
+
+The victim kills itself at a fixed point of its own work (REALFLOW_FAULT_INJECT, see
+realflow.base.fault_injection), never at a moment a watching test picks: a kill from outside
+once landed after the run had already finished."""
 from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from realflow.base.fault_injection import ENV as FAULT_ENV
+from realflow.base.fault_injection import fired
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["dataset.n_train=3000", "dataset.n_test=16", "model.arch.hidden_size=64", "model.arch.num_hidden_layers=2",
@@ -48,40 +53,37 @@ def _steps(run_dir: Path) -> list[int]:
     return out
 
 
-def _run_with_fault(args, fileroot: Path, run_dir: Path, victim: str, sig: int, after_step: int,
-                    *overrides: str, timeout: float = 400, watch: str = "relaunching") -> tuple[int, str, float, float]:
-    """Start the job, send ``sig`` to ``victim`` once ``after_step`` steps are logged; wait for
-    the job to end. Returns (exit code, console output, seconds from the signal to the console
-    saying ``watch`` (the relaunch; -1 if never), seconds from the signal to the end of the job)."""
-    console = fileroot / f"console-{victim.replace('/', '_')}.txt"
+def _run_with_fault(args, fileroot: Path, run_dir: Path, fault: str, *overrides: str, timeout: float = 400,
+                    watch: str = "relaunching") -> tuple[int, str, float, float]:
+    """Run the job with ``fault`` injected (``<process>@<event>=<k>[:<signal>]``) until it ends.
+    Returns (exit code, console output, seconds from the signal to the console saying ``watch``
+    (-1 if it never did), seconds from the signal to the end of the job); the signal's time is
+    the one the victim wrote in its marker just before sending it."""
+    console = fileroot / f"console-{fault.split('@')[0].replace('/', '_')}.txt"
     with open(console, "w") as out:
         proc = subprocess.Popen(_cmd(args, fileroot, *overrides), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                text=True)
+                                text=True, env={**os.environ, FAULT_ENV: fault})
     try:
         deadline = time.time() + timeout
-        pid = None
-        while time.time() < deadline and proc.poll() is None:
-            found = dict(re.findall(r"started worker (\S+) \(pid (\d+)", console.read_text()))
-            if victim in found and len(_steps(run_dir)) >= after_step:
-                pid = int(found[victim])
-                break
-            time.sleep(0.1)
-        assert pid is not None, console.read_text()[-3000:]
-        os.kill(pid, sig)
-        t_sig = time.time()
-        relaunched = None
+        seen = None
         while proc.poll() is None and time.time() < deadline:
-            if relaunched is None and watch in console.read_text():
-                relaunched = time.time() - t_sig
+            if seen is None and watch in console.read_text():
+                seen = time.time()
             time.sleep(0.05)
         if proc.poll() is None:
-            proc.kill()
-            pytest.fail(f"the job did not finish in {timeout}s:\n{console.read_text()[-3000:]}")
-        return (proc.returncode, console.read_text(), relaunched if relaunched is not None else -1.0,
-                time.time() - t_sig)
+            pytest.fail(f"the job with {FAULT_ENV}={fault} did not finish in {timeout}s:\n"
+                        f"{console.read_text()[-3000:]}")
+        ended = time.time()
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+    text = console.read_text()
+    mark = fired(str(run_dir))
+    assert mark is not None, f"{FAULT_ENV}={fault} never fired:\n{text[-3000:]}"
+    if seen is None and watch in text:  # said in the job's last moments
+        seen = ended
+    return proc.returncode, text, seen - mark["time"] if seen is not None else -1.0, ended - mark["time"]
 
 
 def _params(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -112,10 +114,11 @@ def sft_reference(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("victim", ["model_worker/1"])  # (the master: see the truncated-point test)
 def test_sft_killed_mid_run_resumes_bit_identical(tmp_path, sft_reference, victim):
     run_dir = tmp_path / "sft" / "trial0"
-    rc, out, relaunch_s, _ = _run_with_fault(SFT, tmp_path, run_dir, victim, signal.SIGKILL, 9,
-                                          "recover_freq_steps=4", "recover_freq_seconds=0")
+    # dies in step 10, its update computed but not yet reported; the points of steps 4 and 8 are on disk
+    rc, out, relaunch_s, _ = _run_with_fault(SFT, tmp_path, run_dir, f"{victim}@train_step=10",
+                                             "recover_freq_steps=4", "recover_freq_seconds=0")
     assert rc == 0, out[-3000:]
-    assert f"worker '{victim}' was killed by SIGKILL" in out and "relaunching (1/3) from recover point of step" in out, out[-3000:]
+    assert f"worker '{victim}' was killed by SIGKILL" in out and "relaunching (1/3) from recover point of step 8" in out, out[-3000:]
     assert 0 <= relaunch_s < 3.0, relaunch_s  # the launcher noticed the death and relaunched within 3 s
     assert "resumed from the recover point of step" in (run_dir / "logs" / "retry1" / "master.log").read_text()
     steps = _steps(run_dir)
@@ -130,7 +133,7 @@ def test_sft_killed_mid_run_resumes_bit_identical(tmp_path, sft_reference, victi
 @pytest.mark.timeout(300)
 def test_stopped_worker_is_named_within_its_deadline(tmp_path):
     run_dir = tmp_path / "sft" / "trial0"
-    rc, out, named, ended = _run_with_fault(SFT, tmp_path, run_dir, "model_worker/0", signal.SIGSTOP, 3,
+    rc, out, named, ended = _run_with_fault(SFT, tmp_path, run_dir, "model_worker/0@train_step=3:SIGSTOP",
                                             "max_train_steps=100000", "recover_mode=resume", "heartbeat_timeout_s=3",
                                             watch="stopped sending heartbeats")
     assert rc == 1
@@ -145,10 +148,9 @@ def test_stopped_worker_is_named_within_its_deadline(tmp_path):
 @pytest.mark.timeout(400)
 def test_master_killed_then_points_refused_for_another_run_and_truncated_point_skipped(tmp_path, sft_reference):
     run_dir = tmp_path / "sft" / "trial0"
-    # the master dies (kill -9) after some points; recover_mode=resume: the launcher does not relaunch
-    rc, out, _, _ = _run_with_fault(SFT, tmp_path, run_dir, "master", signal.SIGKILL, 13,
-                                 "recover_freq_steps=4", "recover_freq_seconds=0", "recover_mode=resume",
-                                 "recover_keep=3")
+    # the master dies (kill -9) after step 13, its points at steps 4, 8, 12; recover_mode=resume: no relaunch
+    rc, out, _, _ = _run_with_fault(SFT, tmp_path, run_dir, "master@step=13", "recover_freq_steps=4",
+                                    "recover_freq_seconds=0", "recover_mode=resume", "recover_keep=3")
     assert rc == 1 and "fault: worker 'master' was killed by SIGKILL" in out and "relaunching" not in out, out[-2000:]
     points = sorted(p.name for p in (run_dir / "recover").iterdir() if p.name.startswith("step"))
     assert 2 <= len(points) <= 3, points  # recover_keep=3: older points were pruned
@@ -185,11 +187,11 @@ def test_ppo_with_critic_and_reference_killed_mid_step_resumes_bit_identical(tmp
     ref = _run(PPO, tmp_path, "trial_name=reference", "recover_mode=off")
     assert ref.returncode == 0, ref.stderr[-3000:]
     run_dir = tmp_path / "ppo-math" / "trial0"
-    rc, out, _, _ = _run_with_fault(PPO, tmp_path, run_dir, "model_worker/0", signal.SIGKILL, 5,
-                                 "recover_freq_steps=3", "recover_freq_seconds=0")
+    # model_worker/0 trains actor and critic (two train steps a step): it dies in the first of step 5
+    rc, out, _, _ = _run_with_fault(PPO, tmp_path, run_dir, "model_worker/0@train_step=9",
+                                    "recover_freq_steps=3", "recover_freq_seconds=0")
     assert rc == 0, out[-3000:]
-    # killed once step 5 is logged: step 6 (a point, freq 3) may complete before the death is seen
-    assert re.search(r"relaunching \(1/3\) from recover point of step [36]\b", out), out[-3000:]
+    assert "relaunching (1/3) from recover point of step 3" in out, out[-3000:]  # (step 6's cannot exist yet)
     for role in ("actor", "critic"):
         _assert_bit_identical(tmp_path / "ppo-math" / "reference" / "checkpoints" / role / "final",
                               run_dir / "checkpoints" / role / "final")
@@ -215,10 +217,11 @@ def async_root(tmp_path_factory) -> Path:
 def test_async_ppo_killed_mid_run_trains_no_rollout_twice_and_loses_none(async_root, victim):
     trial = victim.replace("/", "_")
     run_dir = async_root / "async-grpo-math" / trial
-    # killed after step 3 of 9 (the point of step 2 is on disk): at ~10 steps/s a kill after step 5
-    # once let the master finish from its buffer before the death was seen (then nothing to relaunch)
-    rc, out, _, _ = _run_with_fault(ASYNC, async_root, run_dir, victim, signal.SIGKILL, 3, f"trial_name={trial}",
-                                 "recover_freq_steps=2", "recover_freq_seconds=0")
+    # dies as it is about to deliver rollout 57: 56 delivered are 7 of the 9 steps (the master cannot
+    # finish without a relaunch), and admitting a 57th needs the weights of step 3 ((3 + eta 4 + 1) x 8 = 64
+    # > 56), so step 2 and its recover point were done
+    rc, out, _, _ = _run_with_fault(ASYNC, async_root, run_dir, f"{victim}@rollout=57", f"trial_name={trial}",
+                                    "recover_freq_steps=2", "recover_freq_seconds=0")
     assert rc == 0, out[-3000:]
     assert f"worker '{victim}' was killed by SIGKILL" in out and "relaunching (1/3) from recover point of step" in out, out[-3000:]
     rows = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -241,31 +244,19 @@ def test_async_ppo_killed_mid_run_trains_no_rollout_twice_and_loses_none(async_r
 
 @pytest.mark.timeout(400)
 def test_a_worker_lost_as_the_run_finishes_relaunches_nothing(async_root):
-    """A rollout worker killed the moment the master records its finish: the run's results are
-    complete, so the launcher exits 0 (with a warning if it saw the death) and never starts it
-    again -- before, the recover points were cleared ahead of the finish record, and a death in
-    between retrained the run from the start."""
+    """A process killed once the master has recorded its finish: the run's results are
+    complete, so the launcher exits 0 with a warning and never starts it again -- before, the
+    recover points were cleared ahead of the finish record, and a death in between retrained
+    the run from the start. The victim is the master itself, right after its last act: a
+    rollout worker, this test's victim when it killed from outside on seeing the finish
+    record, is told to stop before that record is written, so the kill mostly found it gone."""
     trial = "lost_at_finish"
     run_dir = async_root / "async-grpo-math" / trial
-    console = async_root / f"console-{trial}.txt"
-    with open(console, "w") as out:
-        proc = subprocess.Popen(_cmd(ASYNC, async_root, f"trial_name={trial}", "recover_freq_steps=2",
-                                     "recover_freq_seconds=0"), cwd=REPO, stdout=out, stderr=subprocess.STDOUT, text=True)
-    progress = run_dir / "progress.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if progress.exists() and '"finish"' in progress.read_text():
-            pid = dict(re.findall(r"started worker (\S+) \(pid (\d+)", console.read_text())).get("rollout_worker/0")
-            if pid:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass  # already stopped by the launcher: the same outcome
-            break
-        time.sleep(0.005)
-    rc = proc.wait(timeout=120)
-    text = console.read_text()
+    rc, text, _, _ = _run_with_fault(ASYNC, async_root, run_dir, "master@finished=1", f"trial_name={trial}",
+                                     "recover_freq_steps=2", "recover_freq_seconds=0", timeout=300)
     assert rc == 0 and "relaunching" not in text, text[-3000:]
+    assert "warning: worker 'master' was killed by SIGKILL (9) after the run finished; nothing to relaunch" in text, \
+        text[-3000:]
     assert not (run_dir / "recover").exists()  # finished: a new launch of this trial starts fresh
     assert not (run_dir / "logs" / "retry1").exists()
 
@@ -278,7 +269,8 @@ def test_lost_generation_server_is_replaced_in_place_without_a_relaunch(async_ro
     run_dir = async_root / "async-grpo-math" / trial
     # on-policy (eta 0): every step needs rollouts of the current weights, so the run cannot
     # finish from its buffer without the replacement
-    rc, out, _, _ = _run_with_fault(ASYNC, async_root, run_dir, "gen_server/0", signal.SIGKILL, 3,
+    # dies as its 25th request arrives: a step's 8 rollouts of 2 samples send 16, so in the rollouts of step 2
+    rc, out, _, _ = _run_with_fault(ASYNC, async_root, run_dir, "gen_server/0@generate=25",
                                     f"trial_name={trial}", "max_train_steps=8", "rollout.max_head_offpolicyness=0")
     assert rc == 0, out[-3000:]
     assert "relaunching" not in out

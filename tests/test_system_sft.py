@@ -6,13 +6,14 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+
+from realflow.base.fault_injection import ENV as FAULT_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["dataset.n_train=3000", "dataset.n_test=64", "model.arch.hidden_size=64", "model.arch.num_hidden_layers=2",
@@ -81,29 +82,22 @@ def test_sft_through_launcher_lowers_loss_and_saves_loadable_checkpoint(tmp_path
 
 @pytest.mark.timeout(300)
 def test_worker_death_stops_everything_and_names_the_worker(tmp_path):
+    # model_worker/1 kills itself (SIGKILL) in its second train step: see realflow.base.fault_injection
     cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={tmp_path}", *SMALL, "max_train_steps=100000", "recover_mode=off"]
     console = tmp_path / "console.txt"
     with open(console, "w") as out_f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out_f, stderr=subprocess.STDOUT, text=True)
-    pids: dict[str, int] = {}
-    stats_path = tmp_path / "sft" / "trial0" / "stats.jsonl"
-    deadline = time.time() + 200
-    while time.time() < deadline:  # wait until training steps are being logged
-        for name, pid in re.findall(r"started worker (\S+) \(pid (\d+)", console.read_text()):
-            pids[name] = int(pid)
-        if stats_path.exists() and stats_path.stat().st_size > 0 and len(pids) == 3:
-            break
-        time.sleep(0.5)
-    assert len(pids) == 3, console.read_text()
-    os.kill(pids["model_worker/1"], signal.SIGKILL)
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out_f, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, FAULT_ENV: "model_worker/1@train_step=2"})
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=200)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
     out = console.read_text()
+    pids = {name: int(pid) for name, pid in re.findall(r"started worker (\S+) \(pid (\d+)", out)}
+    assert len(pids) == 3, out[-3000:]
     assert proc.returncode != 0
-    assert "model_worker/1" in out
+    assert "model_worker/1" in out and "worker 'model_worker/1' was killed by SIGKILL" in out, out[-3000:]
     time.sleep(0.5)
     for name, pid in pids.items():
         assert not _alive(pid), f"{name} (pid {pid}) survived"

@@ -62,6 +62,7 @@ from aiohttp import web
 
 from realflow.api.generation import (PAUSE_MODES, BackendConfig, ExternalServerBackend, GenerationResult,
                                      GenServerLimits, SamplingParams, generation_backends)
+from realflow.base.fault_injection import fault_point
 from realflow.rollout.gen_server_state import BadRequest, GenServer, Overloaded
 from realflow.rollout.gen_server_weight_group import weight_group_routes
 
@@ -202,6 +203,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
                                      status=500)
 
     async def generate(request: web.Request) -> web.Response:
+        fault_point("generate")  # (tests only: realflow.base.fault_injection)
         prompts, params, rids, ret_lp, one_object = _parse_generate(await _json(request))
         waiters = await server.submit(prompts, params, rids)
         try:

@@ -20,6 +20,7 @@ from realflow.api.batch import SequenceBatch
 from realflow.api.experiment import ExperimentSetup
 from realflow.api.mfc import MFCDef, ModelInterfaceType
 from realflow.base import names
+from realflow.base.fault_injection import fault_point
 from realflow.base.logging import get_logger
 from realflow.base.output_paths import ensure_inside, output_root
 from realflow.base.stats import StatsLogger, StepLog
@@ -149,6 +150,7 @@ class Master:
                 self._save(f"step{self.step}")
             if self.recover.due(self.step, total):  # last: the point holds everything up to here
                 self._write_recover_point(summary, time.perf_counter() - t_start)
+            fault_point("step")  # (tests only: realflow.base.fault_injection)
         summary["train_time_s"] = time.perf_counter() - t_start
         summary.update(self._after_training())
         summary["eval_after"] = self._evaluate()
@@ -166,6 +168,7 @@ class Master:
         # before: a worker lost in between would otherwise find the run neither finished nor
         # resumable, and the launcher would retrain it from the start (seen in a test)
         self.recover.clear()
+        fault_point("finished")
         return summary
 
     # ---- recover points ---------------------------------------------------------

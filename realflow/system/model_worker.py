@@ -25,6 +25,7 @@ from realflow.api.interface import make_interface
 from realflow.api.mfc import MFCDef, ModelInterfaceType
 from realflow.base import names
 from realflow.base.devices import distributed_backend, select_device
+from realflow.base.fault_injection import fault_point
 from realflow.base.logging import get_logger
 from realflow.base.network import host_address, interface_of
 from realflow.base.output_paths import ensure_inside, output_root
@@ -212,6 +213,7 @@ class ModelWorker:
         else:  # (no span to build: dispatch of short MFCs is latency-bound)
             out = self._call_interface(call, batch)
         if call.is_train:
+            fault_point("train_step")  # (tests only: realflow.base.fault_injection)
             return {"stats": out if call.is_head else None, "outputs": None}
         if out is None:  # tensor/pipeline ranks other than the dp head may return nothing
             if call.is_head:

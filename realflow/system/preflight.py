@@ -17,7 +17,7 @@ import re
 
 from typing import Optional, Sequence
 
-from realflow.api.dataset import DataRowError, FieldMap, load_rows_report
+from realflow.api.dataset import DataRowError, load_rows_report
 from realflow.api.experiment import DatasetSpec, ExperimentSetup
 
 
@@ -101,7 +101,9 @@ def check_dataset(spec: DatasetSpec, what: str) -> int:
     """Parse every row of ``spec``; return the row count."""
     if not os.path.exists(spec.path):
         raise PreflightError(f"{what}: data file {spec.path} does not exist")
-    fields = FieldMap(*(spec.args.get(k) or None for k in ("prompt_key", "answer_key", "response_key")))
+    from realflow.api.data_source import field_map_of
+
+    fields = field_map_of(spec.args)
     try:
         rows, _bad = load_rows_report(spec.path, spec.format, skip_bad_rows=bool(spec.args.get("skip_bad_rows", False)),
                                       fields=fields)

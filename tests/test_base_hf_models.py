@@ -253,7 +253,7 @@ def test_unsupported_architecture_is_one_line_with_the_supported_list(model, tmp
     config = json.load(open(os.path.join(bad, "config.json")))
     with pytest.raises(UnsupportedArchitectureError) as e:
         check_architecture(config, bad)
-    assert str(e.value) == (f"{bad}: architecture MambaForCausalLM is not supported; realflow builds "
+    assert str(e.value) == (f"{bad}: architecture MambaForCausalLM is not supported (model_type 'mamba'); realflow builds "
                             + ", ".join(SUPPORTED_ARCHITECTURES))
     assert os.path.isfile(os.path.join(bad, "model.safetensors"))  # a copy, not just a config
     fresh = make_unsupported_checkpoint(str(tmp_path / "fresh"), architecture="GPT2LMHeadModel", model_type="gpt2")

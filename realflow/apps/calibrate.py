@@ -60,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of one CPU worker process (default: 1)")
     p.add_argument("--world", type=int, default=2,
                    help="local processes the links are measured between (default: 2; on GPUs at most one per GPU)")
-    p.add_argument("--quick", action="store_true", help="fewer shapes and sizes: seconds instead of a minute or two")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and sizes: about a minute instead of several")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.threads < 1 or args.world < 1:
         p.error("--threads and --world must be >= 1")

@@ -167,7 +167,7 @@ def check_architecture(config: Mapping[str, Any], where: str) -> None:
         if arch not in SUPPORTED_ARCHITECTURES:
             typ = f" (model_type {model_type!r})" if model_type else ""
             raise UnsupportedArchitectureError(
-                f"{where}: architecture {arch}{typ} is not supported; realflow builds {supported}")
+                f"{where}: architecture {arch} is not supported{typ}; realflow builds {supported}")
         if model_type is not None and SUPPORTED_ARCHITECTURES[arch] != model_type:
             raise UnsupportedArchitectureError(
                 f"{where}: architecture {arch} needs model_type {SUPPORTED_ARCHITECTURES[arch]!r} but config.json "

@@ -24,7 +24,7 @@ from user_model_fixture import make_hub_cache, shared_chat_model
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTIONS = [(f"What is {a} plus {b}?", a + b) for a, b in [(2, 3), (4, 4), (7, 1), (5, 6), (9, 2), (3, 3)]]
 #: small and quick: one worker, 2 steps of 2 prompts, short answers, one held-out sample each
-FAST = ["n_workers=1", "max_train_steps=2", "batch_size=2", "recover_mode=off", "trace=false"]
+FAST = ["n_workers=1", "max_train_steps=2", "batch_size=2", "recover_mode=off", "trace=false", "log_samples=4"]
 RL_FAST = FAST + ["ppo.n_samples=2", "ppo.max_new_tokens=8", "eval_n_samples=1"]
 
 
@@ -39,6 +39,22 @@ def _run(app: str, root, *args: str, env: dict | None = None, timeout: int = 420
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+def _logged(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _chat_ids(tok, messages, generation_prompt=True) -> list[int]:
+    return list(tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)["input_ids"])
+
+
+def _trained_prompts(run_dir, mfc="actor_train") -> list[list[int]]:
+    """The prompt ids of every sequence the trainer logged (log_samples): what it trained on."""
+    recs = _logged(os.path.join(run_dir, "samples", f"{mfc}.jsonl"))
+    assert recs and {r["step"] for r in recs} == {1, 2}, recs  # steps count from 1, as stats.jsonl
+    return [s["input_ids"][:s["prompt_len"]] for r in recs for s in r["sequences"]]
+
+
 def _steps(run_dir) -> int:
     """Train steps logged (evaluation rows have no train loss)."""
     with open(os.path.join(run_dir, "stats.jsonl")) as f:
@@ -48,7 +64,10 @@ def _steps(run_dir) -> int:
 @pytest.fixture(scope="module")
 def user(tmp_path_factory):
     """The user's world: a checkpoint directory, the same checkpoint as a cached hub id, data files."""
-    tok, ckpt = shared_chat_model(tmp_path_factory)
+    tok_dir, ckpt = shared_chat_model(tmp_path_factory)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
     d = tmp_path_factory.mktemp("user_data")
     cache = str(d / "hf_cache")
     make_hub_cache(cache, "acme/tiny-chat", ckpt)
@@ -70,7 +89,7 @@ def user(tmp_path_factory):
     messages = _jsonl(d / "messages.jsonl", [
         {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": f"It is {a}. #### {a}"}]}
         for q, a in QUESTIONS])
-    return {"ckpt": ckpt, "cache": cache, "gsm8k": gsm8k, "trl": trl, "verl": verl, "custom": custom,
+    return {"tok": tok, "ckpt": ckpt, "cache": cache, "gsm8k": gsm8k, "trl": trl, "verl": verl, "custom": custom,
             "saved": saved, "messages": messages, "dir": d}
 
 
@@ -88,6 +107,14 @@ def test_sft_from_messages_through_a_config_file(user, tmp_path):
     saved = yaml.safe_load((run / "config.yaml").read_text())  # the resolved config, kept with the run
     assert saved["optimizer"]["lr"] == 0.002 and saved["dataset"]["train_path"] == user["messages"]
     assert "held-out accuracy:" in res.stdout
+    # the trainer saw each conversation as apply_chat_template renders it, its prompt the first turn's
+    tok = user["tok"]
+    convs = {json.dumps(_chat_ids(tok, r["messages"], False)): r["messages"] for r in _logged(user["messages"])}
+    seqs = [s for r in _logged(run / "samples" / "sft_train.jsonl") for s in r["sequences"]]
+    assert len(seqs) == 4
+    for s in seqs:
+        msgs = convs[json.dumps(s["input_ids"])]
+        assert s["input_ids"][:s["prompt_len"]] == _chat_ids(tok, msgs[:1])
 
 
 @pytest.mark.timeout(600)
@@ -98,6 +125,9 @@ def test_sync_grpo_on_a_cached_hub_id_from_verl_parquet(user, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert _steps(tmp_path / "grpo-math" / "trial0") == 2
     assert "held-out sampled_accuracy:" in res.stdout
+    expected = [_chat_ids(user["tok"], [{"role": "user", "content": q}]) for q, _ in QUESTIONS]
+    trained = _trained_prompts(tmp_path / "grpo-math" / "trial0")
+    assert len(trained) == 8 and all(p in expected for p in trained), trained  # 4 samples x 2 answers
 
 
 @pytest.mark.timeout(600)
@@ -106,7 +136,17 @@ def test_async_grpo_with_mapped_fields_from_a_saved_dataset(user, tmp_path):
                f"dataset.test_path={user['custom']}", "dataset.prompt_key=instruction",
                "dataset.answer_key=meta.gold", "dataset.system_prompt=Answer briefly.", *RL_FAST)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert _steps(tmp_path / "async-grpo-math" / "trial0") == 2
+    run = tmp_path / "async-grpo-math" / "trial0"
+    assert _steps(run) == 2
+    # the system prompt and the mapped field, rendered by the tokenizer's template, in the trainer and in
+    # what the generation server was asked
+    expected = [_chat_ids(user["tok"], [{"role": "system", "content": "Answer briefly."},
+                                        {"role": "user", "content": q}]) for q, _ in QUESTIONS]
+    trained = _trained_prompts(run)
+    assert len(trained) == 8 and all(p in expected for p in trained), trained
+    served = _logged(run / "samples" / "gen_server_0.jsonl")
+    assert len(served) == 4 and all(r["prompt_ids"] in expected for r in served), served
+    assert all(r["prompt"].startswith("<|im_start|>system\nAnswer briefly.") for r in served)
 
 
 def test_check_refuses_overlong_prompts_fast_and_writes_nothing(user, tmp_path):

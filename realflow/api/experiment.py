@@ -151,6 +151,7 @@ class ExperimentSetup:
     on_nonfinite: str = "stop"  # a train step with a non-finite loss or gradient: stop | skip (its update)
     max_nonfinite_skips: int = 3  # skip mode: consecutive skipped steps before the run stops
     trace: bool = True
+    log_samples: int = 0  # the first N samples of each train step / gen server requests -> <run dir>/samples/
     deploy: DeploySpec = field(default_factory=DeploySpec)
     recover: RecoverSpec = field(default_factory=lambda: RecoverSpec(mode="off"))
     rollout: Optional["RolloutSpec"] = None  # set: asynchronous PPO (trajectories come from the rollout side)
@@ -234,6 +235,10 @@ class BaseExperimentConfig:
         "help": "parallel strategy, e.g. d2 ('' = dN over all workers; auto = the planner's best for this machine)"})
     worker_threads: int = field(default=1, metadata={"help": "torch threads per model worker process"})
     trace: bool = field(default=True, metadata={"help": "write a Perfetto/Chrome timeline trace per process"})
+    log_samples: int = field(default=0, metadata={
+        "help": "the first N samples of every train step (token ids, decoded prompt and answer, reward) and "
+                "the first N requests each generation server answers, to <run dir>/samples/*.jsonl: what the "
+                "model really saw (0 = off)"})
     precision: str = field(default="auto", metadata={
         "help": "model parameters and generation: auto = bf16 on GPUs (fp32 master weights and gradients in "
                 "the optimizer), fp32 on CPUs | fp32 | bf16"})
@@ -289,11 +294,13 @@ class BaseExperimentConfig:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r} must be 'stop' or 'skip'")
         if self.max_nonfinite_skips < 0:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 0")
+        if self.log_samples < 0:
+            raise ValueError(f"log_samples={self.log_samples} must be >= 0 (0 = off)")
         _check_precision("precision", self.precision)
         return dict(precision=self.precision,
             on_nonfinite=self.on_nonfinite, max_nonfinite_skips=self.max_nonfinite_skips,
             seed=self.seed, name_resolve=dataclasses.asdict(self.name_resolve), worker_threads=self.worker_threads,
-            trace=self.trace, heartbeat_timeout_s=self.heartbeat_timeout_s,
+            trace=self.trace, log_samples=self.log_samples, heartbeat_timeout_s=self.heartbeat_timeout_s,
             heartbeat_interval_s=self.heartbeat_interval_s,
             deploy=DeploySpec(launcher=self.launcher, slurm=self.slurm, ray=self.ray),
             recover=RecoverSpec(mode=self.recover_mode, freq_steps=self.recover_freq_steps,

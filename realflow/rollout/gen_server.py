@@ -65,6 +65,7 @@ from realflow.api.generation import (PAUSE_MODES, BackendConfig, ExternalServerB
 from realflow.base.fault_injection import fault_point
 from realflow.rollout.gen_server_state import BadRequest, GenServer, Overloaded
 from realflow.rollout.gen_server_weight_group import weight_group_routes
+from realflow.rollout.request_log import RequestLog
 
 __all__ = ["GenServer", "build_app", "serve", "main"]
 
@@ -162,7 +163,8 @@ def _result_json(server: GenServer, r: GenerationResult, return_logprob: bool) -
 # ---------------------------------------------------------------- handlers
 
 
-def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str = "127.0.0.1") -> web.Application:
+def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str = "127.0.0.1",
+              request_log: Optional[RequestLog] = None) -> web.Application:
     """The aiohttp application for ``server`` (its step thread is started on startup).
 
     With ``api_key`` every request must carry ``Authorization: Bearer <api_key>`` (as
@@ -220,6 +222,9 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
                                       "weight_version": first.get("weight_version",
                                                                   server.backend.weight_version)},
                                      status=500)
+        if request_log is not None:
+            request_log.record(r for g in groups for r in g)
+
         def answer() -> str:
             out = [_result_json(server, r, ret_lp) for g in groups for r in sorted(g, key=lambda x: x.index)]
             return json.dumps(out[0] if one_object else out)
@@ -400,6 +405,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--log-requests", default=None, metavar="FILE",
+                    help="append the first --log-requests-max answered sequences (prompt and answer ids and text) "
+                         "to FILE as JSON lines")
+    ap.add_argument("--log-requests-max", type=int, default=100)
     ap.add_argument("--api-key-env", default=None,
                     help="environment variable holding the API key clients must send (Bearer)")
     for f in fields(GenServerLimits):
@@ -426,7 +435,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     server = GenServer(backend, a.model, limits)
     try:
         api_key = os.environ[a.api_key_env] if a.api_key_env else None
-        asyncio.run(serve(build_app(server, api_key, bind_host=a.host), a.host, a.port))
+        log = RequestLog(a.log_requests, a.log_requests_max, backend.decode) if a.log_requests else None
+        asyncio.run(serve(build_app(server, api_key, bind_host=a.host, request_log=log), a.host, a.port))
     except KeyboardInterrupt:
         pass
     return 0

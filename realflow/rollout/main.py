@@ -46,6 +46,8 @@ def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     from realflow.api.generation import BackendConfig, generation_backends
     from realflow.base.devices import resolve_precision, select_device
     from realflow.rollout.gen_server import GenServer, build_app, serve
+    from realflow.rollout.request_log import RequestLog
+    from realflow.system.sample_log import samples_dir
 
     spec = setup.rollout
     assert spec is not None
@@ -62,8 +64,12 @@ def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     resolver = make_name_resolver(setup.name_resolve_config())
     key = names.gen_server_address(setup.experiment_name, setup.trial_name, index)
     server = GenServer(backend, spec.model_path, spec.server_limits)
+    log = None
+    if setup.log_samples:  # beside the trainer's (realflow.system.sample_log): the same ids, compared
+        log = RequestLog(os.path.join(samples_dir(setup.run_dir), f"gen_server_{index}.jsonl"), setup.log_samples,
+                         backend.decode)
     host = host_address()
-    asyncio.run(serve(build_app(server, http_token(secret), bind_host=host), host, 0,
+    asyncio.run(serve(build_app(server, http_token(secret), bind_host=host, request_log=log), host, 0,
                       on_ready=lambda url: resolver.add(key, url, replace=True)))
     return 0
 

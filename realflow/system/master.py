@@ -339,7 +339,7 @@ class Master:
             for dp_rank, ids in assignments[mfc.name].items():
                 for w in layout.dp_members(dp_rank):
                     inbound = received.get((mfc.name, w), _NOTHING_INBOUND)
-                    payload = {"mfc": mfc.name, "ids": ids, "receive": inbound.handles}
+                    payload = {"mfc": mfc.name, "ids": ids, "receive": inbound.handles, "step": self.step}
                     rid = self._request(w, "run_mfc", payload, self.setup.mfc_timeout_s)
                     run_reqs[rid] = (mfc, w)
                     for sids, keys in inbound.transfers:  # w now also holds what it received

@@ -39,6 +39,7 @@ from realflow.system import recover
 from realflow.system.data_stream import ShardStream
 from realflow.system.model_store import ModelStore
 from realflow.system.plan import ExecutionPlan
+from realflow.system.sample_log import TrainSampleLog, samples_dir
 from realflow.system.trajectory_inbox import TrajectoryInbox
 from realflow.system.weight_sender import WeightSender
 
@@ -72,6 +73,8 @@ class ModelWorker:
         self.train_stream: ShardStream | None = None
         self.eval_batch: SequenceBatch | None = None
         self.tracer = Tracer(self.name, enabled=setup.trace)
+        self.sample_log = TrainSampleLog(samples_dir(setup.run_dir), setup.log_samples, self._tokenizer_of) \
+            if setup.log_samples else None
         self.on_finish = on_finish
         self._calls: dict[str, _MFCCall] = {}  # per MFC name, filled on its first run
         self.inbox: TrajectoryInbox | None = None
@@ -213,6 +216,8 @@ class ModelWorker:
         else:  # (no span to build: dispatch of short MFCs is latency-bound)
             out = self._call_interface(call, batch)
         if call.is_train:
+            if self.sample_log is not None and call.is_head:
+                self.sample_log.write(mfc.name, mfc.model_name, int(payload.get("step", call.model.version)), batch)
             fault_point("train_step")  # (tests only: realflow.base.fault_injection)
             return {"stats": out if call.is_head else None, "outputs": None}
         if out is None:  # tensor/pipeline ranks other than the dp head may return nothing
@@ -388,6 +393,16 @@ class ModelWorker:
                 load_dataset_shard(ev.dataset, tokenizer, dp_rank, layout.strategy.dp)
             )
         return len(samples)
+
+
+    def _tokenizer_of(self, model_name: str):
+        """The model's tokenizer for the sample log's text, or None (the ids are logged regardless)."""
+        spec = self.setup.models.get(model_name)
+        try:
+            return None if spec is None else _load_tokenizer(spec.tokenizer_path or spec.path)
+        except Exception as e:  # noqa: BLE001 - a log never stops a run
+            logger.warning(f"log_samples: no tokenizer for model {model_name!r} ({e}); logging token ids only")
+            return None
 
 
 def _load_tokenizer(path: str):

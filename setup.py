@@ -19,7 +19,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=[p for pkg in PACKAGES for p in (pkg, pkg + ".*")]),
-    package_data={"realflow.system.planner": ["profiles/*.json"]},  # device profiles the planner ships
+    package_data={"realflow.planner": ["profiles/*.json"]},  # device profiles the planner ships
     install_requires=[
         "torch>=2.11",  # the oldest tested: the GPU check ran 2.11
         "megatron-core>=0.16.1,<0.17",  # the CPU compatibility layer (parallel/) is written for 0.16

@@ -10,7 +10,7 @@ global strategy (one dp/tp/pp for every MFC; generation cannot pipeline, so pp =
 training strategy (the same, but generation folds pp into dp, as a Megatron user would write
 it). Goal: the best plan at least 1.2x faster than the best single global strategy, never slower.
 Where a global strategy does not fit at all, the speedup is unbounded ("none fits").
-Beside each, a lower bound on any plan's step (realflow.system.planner.bound): where the global
+Beside each, a lower bound on any plan's step (realflow.planner.bound): where the global
 strategy is within 1.2x of it, no plan can meet the goal there.
 """
 from __future__ import annotations
@@ -57,15 +57,15 @@ def cases() -> list[Case]:
 def run_case(case: Case, root: str):
     from realflow.api.config import parse_overrides
     from realflow.api.experiment import experiment_registry
-    from realflow.system.planner.cluster import parse_cluster
-    from realflow.system.planner.models import load_model_config
-    from realflow.system.planner.search import search
-    from realflow.system.planner.simulate import Workload
+    from realflow.planner.cluster import parse_cluster
+    from realflow.planner.models import load_model_config
+    from realflow.planner.search import search
+    from realflow.planner.simulate import Workload
 
     setup = parse_overrides(experiment_registry.get(case.experiment), [f"fileroot={root}", *case.overrides]).setup()
     roles = {r: load_model_config(case.critic if r == "critic" else case.actor)
              for r, spec in setup.models.items() if spec.backend != "none"}
-    from realflow.system.planner.bound import step_lower_bound
+    from realflow.planner.bound import step_lower_bound
 
     cluster, workload = parse_cluster(case.cluster), Workload(**case.workload)
     t0 = time.perf_counter()

@@ -68,8 +68,8 @@ def predict(experiment: str, overrides: list[str], allocation: str, profile: str
             workload: dict) -> object:
     from realflow.api.config import import_modules, parse_overrides
     from realflow.api.experiment import experiment_registry
-    from realflow.system.planner.cluster import cluster_from_dict
-    from realflow.system.planner.simulate import Workload, simulate
+    from realflow.planner.cluster import cluster_from_dict
+    from realflow.planner.simulate import Workload, simulate
 
     import_modules(["experiments", "parallel.backend"])
     setup = parse_overrides(experiment_registry.get(experiment), overrides).setup()

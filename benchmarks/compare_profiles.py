@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import sys
 
-from realflow.system.planner.profile import DeviceProfile, load_profile, shipped_profiles
+from realflow.planner.profile import DeviceProfile, load_profile, shipped_profiles
 
 
 def _scalars(p: DeviceProfile) -> dict[str, float]:

@@ -232,7 +232,7 @@ TP_LAUNCHES = 3
 
 
 def measure_engine_overheads(world: int = 2, quick: bool = False, timeout_s: float = 600.0) -> dict[str, Any]:
-    """The profile's framework fields (see :class:`realflow.system.planner.profile.DeviceProfile`),
+    """The profile's framework fields (see :class:`realflow.planner.profile.DeviceProfile`),
     measured on ``world`` concurrent worker processes; each value (each curve point) the median
     over the ranks. With an even ``world`` also the tensor-parallel ones, as the mean over
     ``TP_LAUNCHES`` fresh launches (1 when ``quick``). Why several launches: a tp layer waits on

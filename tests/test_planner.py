@@ -15,11 +15,11 @@ import pytest
 from realflow.api.config import import_modules, parse_overrides
 from realflow.api.experiment import experiment_registry
 from realflow.system.plan_types import ParamRealloc
-from realflow.system.planner.cluster import ClusterError, parse_cluster
-from realflow.system.planner.models import load_model_config
-from realflow.system.planner.bound import step_lower_bound
-from realflow.system.planner.search import NoPlanFits, exhaustive, search
-from realflow.system.planner.simulate import Workload, simulate
+from realflow.planner.cluster import ClusterError, parse_cluster
+from realflow.planner.models import load_model_config
+from realflow.planner.bound import step_lower_bound
+from realflow.planner.search import NoPlanFits, exhaustive, search
+from realflow.planner.simulate import Workload, simulate
 
 LONG = Workload(prompt_len=512, gen_len_mean=2048, gen_len_max=8192)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from realflow.apps import calibrate as calibrate_app
-from realflow.system.planner.calibrate import CalibrationError, fit_line
-from realflow.system.planner.profile import (DeviceProfile, LinkProfile, ProfileError, load_profile,
+from realflow.planner.calibrate import CalibrationError, fit_line
+from realflow.planner.profile import (DeviceProfile, LinkProfile, ProfileError, load_profile,
                                              profile_from_dict, shipped_profiles)
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,7 +58,7 @@ def test_cli_reports_a_bad_world_without_writing(tmp_path, capsys):
 
 
 def test_link_failure_names_the_rank_and_the_stage():
-    code = "from realflow.system.planner.calibrate import measure_links; measure_links(2, True, timeout_s=0.05)"
+    code = "from realflow.planner.calibrate import measure_links; measure_links(2, True, timeout_s=0.05)"
     r = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=110)
     assert r.returncode != 0
     assert "CalibrationError: link measurement over 2 local processes failed" in r.stderr
@@ -188,7 +188,7 @@ def test_fit_costs_keeps_a_convex_layer_cost_as_measured():
     is priced between them, where one line through all of them would miss it; a point that dips
     below the one before (noise) is lifted to it."""
     from parallel.overheads import DEPTHS, TOKENS, fit_costs
-    from realflow.system.planner.profile import curve_at
+    from realflow.planner.profile import curve_at
 
     def layer(n: float) -> float:
         return 3e-3 + 1e-5 * min(n, 1024) + 2e-5 * max(n - 1024, 0)
@@ -211,9 +211,9 @@ def test_the_cost_model_prices_a_micro_batch_on_the_measured_curve():
     import dataclasses
 
     from realflow.api.allocation import ParallelStrategy
-    from realflow.system.planner.cluster import ClusterSpec
-    from realflow.system.planner.cost import ModelFacts, Work, mfc_cost
-    from realflow.system.planner.profile import curve_at
+    from realflow.planner.cluster import ClusterSpec
+    from realflow.planner.cost import ModelFacts, Work, mfc_cost
+    from realflow.planner.profile import curve_at
 
     base = load_profile("cpu-example")
     ref = base.layer_reference_params

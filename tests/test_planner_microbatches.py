@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from realflow.system.planner.cost import Work
-from realflow.system.planner.microbatches import micro_batch_shapes, synthetic_lengths
+from realflow.planner.cost import Work
+from realflow.planner.microbatches import micro_batch_shapes, synthetic_lengths
 
 
 def test_synthetic_lengths_have_the_mean_and_end_at_the_longest():

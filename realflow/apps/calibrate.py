@@ -4,7 +4,7 @@ Also ``python -m realflow.apps.calibrate``. Times the operators a training / gen
 step is made of (GEMMs, attention, memcpy, small ops, a decode layer, all-reduce /
 all-gather / send-recv between ``--world`` local processes) on the current GPU, or on one
 CPU worker process with ``--threads`` threads, and writes the fitted numbers as a JSON
-device profile (:mod:`realflow.system.planner.calibrate` says how each is fitted). The
+device profile (:mod:`realflow.planner.calibrate` says how each is fitted). The
 planner reads it as ``device=<FILE>`` (or the ``local`` cluster); shipped profiles built
 from published figures (``h100``, ``h200``, ``a100``) need no calibration.
 """
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from realflow.system.planner.profile import DeviceProfile, LinkProfile
+from realflow.planner.profile import DeviceProfile, LinkProfile
 
 
 def _human(value: float, unit: str) -> str:
@@ -64,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.threads < 1 or args.world < 1:
         p.error("--threads and --world must be >= 1")
-    from realflow.system.planner.calibrate import CalibrationError, calibrate
+    from realflow.planner.calibrate import CalibrationError, calibrate
 
     t0 = time.perf_counter()
     try:

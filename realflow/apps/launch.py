@@ -142,7 +142,7 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
         # nothing is written yet: a symlink in an existing run directory that leads out is refused here
         check_tree_inside(setup.run_dir, output_root(setup.run_dir))
         if setup.allocation == "auto":  # the workers get the choice, not the search
-            from realflow.system.planner.auto import choose_allocation
+            from realflow.planner.auto import choose_allocation
 
             chosen, why = choose_allocation(setup)
             print(why, file=sys.stderr if mode == "print-config" else sys.stdout, flush=True)

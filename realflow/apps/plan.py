@@ -53,11 +53,11 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str], dict[st
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from realflow.system.planner.cluster import parse_cluster
-    from realflow.system.planner.models import load_model_config
-    from realflow.system.planner.search import search
-    from realflow.system.planner.simulate import Workload
-    from realflow.system.planner.timeline import draw_timeline
+    from realflow.planner.cluster import parse_cluster
+    from realflow.planner.models import load_model_config
+    from realflow.planner.search import search
+    from realflow.planner.simulate import Workload
+    from realflow.planner.timeline import draw_timeline
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -81,7 +81,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.scaling:
             return _scaling(cls, overrides, keys, cluster, model, workload, args.scaling)
         if setup.rollout is not None:
-            from realflow.system.planner.async_plan import plan_async
+            from realflow.planner.async_plan import plan_async
 
             ap = plan_async(setup, cluster, roles, workload, seqs_per_step=_seqs(setup))
             print(cluster.describe())
@@ -119,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def _role_models(setup, keys: dict[str, str], model: dict) -> dict[str, dict]:
     """Every role with a model gets ``model=``, except those that ``models.<role>=`` names."""
-    from realflow.system.planner.models import load_model_config
+    from realflow.planner.models import load_model_config
 
     roles = {r: model for r, spec in setup.models.items() if spec.backend != "none"}
     for k, v in keys.items():
@@ -139,9 +139,9 @@ def _seqs(setup) -> int:
 
 def _scaling(cls, overrides: list[str], keys: dict[str, str], cluster, model, workload, counts: str) -> int:
     """Weak scaling: the batch per device stays the experiment's; async vs sync at each count."""
-    from realflow.system.planner.async_plan import plan_async
-    from realflow.system.planner.cluster import parse_cluster
-    from realflow.system.planner.search import search
+    from realflow.planner.async_plan import plan_async
+    from realflow.planner.cluster import parse_cluster
+    from realflow.planner.search import search
 
     sync_cls = experiment_registry.get(keys.get("sync_experiment", "grpo-math"))
     base = parse_overrides(cls, overrides)

@@ -16,10 +16,10 @@ from typing import Any, Optional
 from realflow.api.experiment import ExperimentSetup
 from realflow.api.mfc import ModelInterfaceType
 from realflow.system.plan import PlanError
-from realflow.system.planner.cluster import ClusterSpec, cluster_from_dict
-from realflow.system.planner.profile import shipped_profiles
-from realflow.system.planner.search import NoPlanFits, search
-from realflow.system.planner.simulate import Workload
+from realflow.planner.cluster import ClusterSpec, cluster_from_dict
+from realflow.planner.profile import shipped_profiles
+from realflow.planner.search import NoPlanFits, search
+from realflow.planner.simulate import Workload
 
 PROFILE_ENV = "REALFLOW_DEVICE_PROFILE"
 
@@ -123,8 +123,8 @@ def _choose_async(setup: ExperimentSetup) -> tuple[str, str]:
     """An asynchronous run: ``n_workers`` devices split between generation servers and the
     trainer (:func:`.async_plan.plan_async`); servers of the builtin backend are one process each."""
     from realflow.api.allocation import ParallelStrategy
-    from realflow.system.planner.async_plan import plan_async
-    from realflow.system.planner.search import short
+    from realflow.planner.async_plan import plan_async
+    from realflow.planner.search import short
 
     cluster = local_cluster(setup.n_workers)
     if cluster.n_devices < 2:

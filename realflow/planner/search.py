@@ -25,8 +25,8 @@ from typing import Any, Iterable, Optional
 
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.experiment import ExperimentSetup
-from realflow.system.planner.cluster import ClusterSpec
-from realflow.system.planner.simulate import Prediction, Workload, simulate
+from realflow.planner.cluster import ClusterSpec
+from realflow.planner.simulate import Prediction, Workload, simulate
 
 
 class NoPlanFits(ValueError):

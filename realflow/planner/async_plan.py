@@ -17,10 +17,10 @@ from typing import Any, Optional
 
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.experiment import ExperimentSetup
-from realflow.system.planner.cluster import ClusterSpec
-from realflow.system.planner.cost import ModelFacts, allreduce_s, measured_decode_compute_s, p2p_s
-from realflow.system.planner.search import NoPlanFits, SearchResult, search, short
-from realflow.system.planner.simulate import Workload
+from realflow.planner.cluster import ClusterSpec
+from realflow.planner.cost import ModelFacts, allreduce_s, measured_decode_compute_s, p2p_s
+from realflow.planner.search import NoPlanFits, SearchResult, search, short
+from realflow.planner.simulate import Workload
 
 
 @dataclass

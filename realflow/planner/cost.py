@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from realflow.api.allocation import ParallelStrategy
-from realflow.system.planner.cluster import ClusterSpec
-from realflow.system.planner.microbatches import micro_batch_shapes
-from realflow.system.planner.profile import LinkProfile
+from realflow.planner.cluster import ClusterSpec
+from realflow.planner.microbatches import micro_batch_shapes
+from realflow.planner.profile import LinkProfile
 
 GEMMS_PER_LAYER = 4  # fused qkv, attention output projection, fused fc1 [gate; up], fc2
 SMALL_OPS_PER_LAYER = 12

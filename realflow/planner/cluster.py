@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from realflow.system.planner.profile import DeviceProfile, LinkProfile, ProfileError, load_profile
+from realflow.planner.profile import DeviceProfile, LinkProfile, ProfileError, load_profile
 
 #: InfiniBand NDR, one 400 Gb/s HCA per GPU: ~50 GB/s raw, ~40 GB/s of all-reduce bus bandwidth
 #: across nodes (nccl-tests on DGX H100 SuperPODs); HDR (200 Gb/s) for A100 nodes.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from realflow.system.planner.simulate import Prediction
+from realflow.planner.simulate import Prediction
 
 
 def _rows(pred: Prediction, n_devices: int) -> list[tuple[str, list]]:

@@ -21,8 +21,8 @@ from realflow.api.experiment import ExperimentSetup
 from realflow.api.mfc import ModelInterfaceType
 from realflow.system.plan import ExecutionPlan, compile_plan
 from realflow.system.plan_types import Offload, ParamRealloc, PlanError, Reload
-from realflow.system.planner.cluster import ClusterSpec
-from realflow.system.planner.cost import Cost, ModelFacts, Work, activation_bytes, mfc_cost, p2p_s
+from realflow.planner.cluster import ClusterSpec
+from realflow.planner.cost import Cost, ModelFacts, Work, activation_bytes, mfc_cost, p2p_s
 
 _KIND = {ModelInterfaceType.GENERATE: "generate", ModelInterfaceType.INFERENCE: "inference",
          ModelInterfaceType.TRAIN_STEP: "train"}

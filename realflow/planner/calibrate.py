@@ -5,7 +5,7 @@ threads and vector units, and a GPU's on clocks, drivers and kernels; the planne
 predictions are only as good as these numbers. Each operator a step is made of is timed
 at several shapes and a line ``t = overhead + work / rate`` is fitted, so both the fixed
 cost (launch / dispatch) and the sustained rate come out. Conventions match
-:mod:`realflow.system.planner.cost`, which turns the numbers back into seconds:
+:mod:`realflow.planner.cost`, which turns the numbers back into seconds:
 
 * GEMM: ``2*m*k*n`` FLOPs; ``matmul_overhead_s`` per call.
 * attention: causal ``scaled_dot_product_attention``, forward ``2*b*h*s^2*d`` FLOPs (half
@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from realflow.system.planner.profile import DeviceProfile, LinkProfile
+from realflow.planner.profile import DeviceProfile, LinkProfile
 
 KiB, MiB = 1 << 10, 1 << 20
 

@@ -27,10 +27,10 @@ import networkx as nx
 
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.experiment import ExperimentSetup
-from realflow.system.planner.cluster import ClusterSpec
-from realflow.system.planner.cost import ModelFacts, mfc_cost
-from realflow.system.planner.search import short, strategies
-from realflow.system.planner.simulate import Prediction, Workload, works_of
+from realflow.planner.cluster import ClusterSpec
+from realflow.planner.cost import ModelFacts, mfc_cost
+from realflow.planner.search import short, strategies
+from realflow.planner.simulate import Prediction, Workload, works_of
 
 
 @dataclass(frozen=True)

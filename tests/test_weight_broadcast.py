@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from realflow.api.rollout import RolloutSpec
-from realflow.comm.weight_broadcast import GroupSpec, TensorMeta, WeightBroadcastError, WeightGroup, open_store
+from realflow.weights.broadcast import GroupSpec, TensorMeta, WeightBroadcastError, WeightGroup, open_store
 from realflow.rollout.controller import RolloutController
-from realflow.system.weight_sender import WeightSender
+from realflow.weights.broadcast_writer import WeightSender
 
 torch.set_num_threads(1)
 API_KEY = "test-token-0123456789"

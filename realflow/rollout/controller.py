@@ -30,8 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import shutil
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -43,22 +41,16 @@ from realflow.api.rollout import RolloutSpec
 from realflow.comm import shm
 from realflow.comm.drop_log import DropLog
 from realflow.rollout.prompt_ledger import PromptLedger
-from realflow.rollout.server_pool import NoServerError, ServerPool, ServerState
-from realflow.rollout.weight_groups import WeightGroups
+from realflow.rollout.server_pool import NoServerError, ServerPool
+from realflow.weights.broadcast_groups import WeightGroups
+from realflow.weights.rounds import update_servers
+from realflow.weights.version import WeightUpdate, remove_older_checkpoints
 
 __all__ = ["RolloutController", "build_controller_app"]
 
 logger = logging.getLogger("realflow.rollout.controller")
 
 ADMIT_WAIT_S = 5.0  # one /admit long-poll; the worker asks again after a refusal
-
-
-@dataclass
-class _Round:
-    version: int
-    handle: Optional[dict] = None  # shared-memory weights (weight_sync=memory)
-    path: Optional[str] = None  # checkpoint directory (weight_sync=disk)
-    broadcast: Optional[dict] = None  # group + tensor list for servers on other hosts
 
 
 @dataclass
@@ -113,7 +105,7 @@ class RolloutController:
         self.stopping = False
         self.fatal: Optional[str] = None  # why rollouts cannot go on (e.g. every server lost)
         self._changed: Optional[asyncio.Condition] = None
-        self._pending_round: Optional[_Round] = None
+        self._pending_round: Optional[WeightUpdate] = None
         self._round_wakeup: Optional[asyncio.Event] = None
         self.round_times: list[float] = []
         self.stall_times: list[float] = []  # pause -> continue of each round
@@ -213,7 +205,7 @@ class RolloutController:
     # ------------------------------------------------------------ weight-update rounds
 
     def weight_plan(self, writer_host: str) -> dict[str, Any]:
-        """How the next version travels: shared memory and/or a broadcast group (see weight_groups)."""
+        """How the next version travels: shared memory and/or a broadcast group (see realflow.weights.broadcast_groups)."""
         return self.groups.plan(writer_host)
 
     def request_round(self, version: int, handle: Optional[dict], path: Optional[str],
@@ -231,7 +223,7 @@ class RolloutController:
             self.rounds_skipped += 1
             if old.handle is not None:
                 shm.release(old.handle)
-        self._pending_round = _Round(version, handle, path, broadcast)
+        self._pending_round = WeightUpdate(version, handle, path, broadcast)
         self._round_wakeup.set()
 
     async def _round_loop(self) -> None:
@@ -255,46 +247,14 @@ class RolloutController:
                 if r.handle is not None:
                     shm.release(r.handle)
 
-    async def _run_round(self, r: _Round) -> None:
+    async def _run_round(self, r: WeightUpdate) -> None:
         """Stage (in memory, on servers that can: generation goes on) -> pause -> update
-        (a pointer swap where staged) -> continue. ``round_times`` holds the whole round,
-        ``stall_times`` the pause -> continue part: how long generation stopped."""
+        (a pointer swap where staged) -> continue (:mod:`realflow.weights.rounds`). ``round_times``
+        holds the whole round, ``stall_times`` the pause -> continue part: how long generation stopped."""
         t0 = time.perf_counter()
         mode = "abort" if self.spec.interrupt_mode == "abort" else "retract"
-        staged: list[ServerState] = []
-        receivers = self.groups.receivers(r.broadcast) if r.broadcast else []
-        early = bool(receivers) and all(s.can_stage for s in receivers)
-        if early:  # all receivers can stage: the bytes travel while generation goes on
-            assert r.broadcast is not None
-            staged += await self.groups.deliver(r.broadcast, r.version, stage=True)
-        if r.handle is not None:
-            body = {"shm_handle": r.handle, "format": "hf", "weight_version": r.version, "unlink": False}
-            stagers = [s for s in self.pool.alive() if s.can_stage]
-            if stagers:
-                res = await self.pool.broadcast("/update_weights_from_tensor", dict(body, stage=True),
-                                                timeout=600.0, only=stagers)
-                staged += [s for s in stagers if isinstance(res.get(s.name), dict)]
-        t_pause = time.perf_counter()
-        await self.pool.broadcast("/pause_generation", {"mode": mode})
-        res = {}
-        if staged:
-            res.update(await self.pool.broadcast("/commit_staged_weights", {"weight_version": r.version},
-                                                 timeout=60.0, only=staged))
-        if receivers and not early:  # some receiver cannot stage: broadcast while paused
-            assert r.broadcast is not None
-            for s in await self.groups.deliver(r.broadcast, r.version, stage=False):
-                s.version = r.version
-        # broadcast receivers that did not get this version keep theirs until the next round
-        rest = [s for s in self.pool.alive() if all(s is not t for t in staged + receivers)]
-        if rest and r.handle is not None:
-            res.update(await self.pool.broadcast("/update_weights_from_tensor", body, timeout=600.0, only=rest))
-        elif rest and r.path is not None:
-            body = {"model_path": r.path, "weight_version": r.version}
-            res.update(await self.pool.broadcast("/update_weights_from_disk", body, timeout=600.0, only=rest))
-        for name, v in res.items():
-            if isinstance(v, dict):
-                next(s for s in self.pool.servers if s.name == name).version = int(v["weight_version"])
-        await self.pool.broadcast("/continue_generation", {})
+        done = await update_servers(self.pool, self.groups, r, mode)
+        staged, t_pause = done.staged, done.t_pause
         self.pool.admit_joined(r.version)
         if self.rejoin_wait_s <= 0:  # (else the health loop gives replacements rejoin_wait_s to come up)
             self.pool.pick()  # raises NoServerError naming every server when none survived the round
@@ -302,13 +262,12 @@ class RolloutController:
         self.round_times.append(t1 - t0)
         self.stall_times.append(t1 - t_pause)
         self.version = r.version
-        how = "+".join(w for w, on in (("shared memory", r.handle is not None), ("disk", r.path is not None),
-                                       (f"broadcast to {len(receivers)}", bool(receivers))) if on)
+        how = done.how(r)
         logger.info("weight-update round to version %d (%s%s, %s): %.3f s, generation stopped %.3f s",
                     r.version, how,
                     f", {len(staged)} staged" if staged else "", mode, t1 - t0, t1 - t_pause)
         if r.path is not None:
-            _remove_older_checkpoints(r.path)
+            remove_older_checkpoints(r.path)
         await self._notify()
 
     # ------------------------------------------------------------ health
@@ -344,16 +303,6 @@ class RolloutController:
             if url and url.rstrip("/") != s.url:
                 self.pool.replace(i, url, self.version)
                 await self.pool.check_health()
-
-
-def _remove_older_checkpoints(path: str) -> None:
-    """Disk sync writes ``.../weights/v<N>``; versions before the one just loaded are done with."""
-    parent, name = os.path.split(path.rstrip("/"))
-    if not name.startswith("v") or not name[1:].isdigit():
-        return
-    for other in os.listdir(parent):
-        if other.startswith("v") and other[1:].isdigit() and int(other[1:]) < int(name[1:]):
-            shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
 
 
 # ---------------------------------------------------------------- HTTP API

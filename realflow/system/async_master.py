@@ -14,7 +14,6 @@ What changes from :class:`~realflow.system.master.Master`:
 """
 from __future__ import annotations
 
-import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -25,6 +24,7 @@ from realflow.base import names
 from realflow.base.logging import get_logger
 from realflow.system.master import Master, MasterError, WorkerLost
 from realflow.system.staleness import Candidate, check_bound, outstanding_per_version, select_batch
+from realflow.weights.version import PublishError, publish_request, writer_reply
 
 logger = get_logger("async_master")
 
@@ -191,14 +191,11 @@ class AsyncMaster(Master):
 
     # ---- weights to the servers -----------------------------------------------------
     def _publish(self, version: int) -> None:
-        """Have the policy's home workers export version ``version`` and the controller push it."""
+        """Have the policy's home workers export version ``version`` and the controller push it
+        (:mod:`realflow.weights.version` says what travels)."""
         workers = list(self.plan.role_home[self.policy_role].workers)
-        mode = self.spec.weight_sync
-        payload: dict[str, Any] = {"role": self.policy_role, "version": version,
-                                   "mode": "disk" if mode == "disk" else "memory"}
-        if mode == "disk":
-            payload["path"] = os.path.join(self.setup.run_dir, "weights", f"v{version}")
-        else:  # shared memory for servers on the writer's host, a broadcast group for the others
+        payload = publish_request(self.policy_role, version, self.spec.weight_sync, self.setup.run_dir)
+        if payload["mode"] == "memory":  # shared memory for servers on the writer's host, a group for the others
             if self._writer_host is None:
                 self._writer_host = self._all("describe", {}, 60.0, workers=workers[:1])[workers[0]]["host"]
             payload.update(self.ep.call(self.controller, "weight_plan", {"writer_host": self._writer_host},
@@ -208,9 +205,10 @@ class AsyncMaster(Master):
                                "when a replacement joins")
                 return
         replies = self._all("publish_weights", payload, self.setup.mfc_timeout_s, workers=workers)
-        got = [r for r in replies.values() if r.get("handle") or r.get("path") or r.get("broadcast")]
-        if len(got) != 1:
-            raise MasterError(f"publish_weights of {self.policy_role} v{version}: expected one writer, got {got}")
-        self.ep.call(self.controller, "update_weights", {"version": version, "handle": got[0].get("handle"),
-                                                         "path": got[0].get("path"),
-                                                         "broadcast": got[0].get("broadcast")}, timeout=60.0)
+        try:
+            update = writer_reply(replies, self.policy_role, version)
+        except PublishError as e:
+            raise MasterError(str(e)) from None
+        self.ep.call(self.controller, "update_weights", {"version": version, "handle": update.handle,
+                                                         "path": update.path,
+                                                         "broadcast": update.broadcast}, timeout=60.0)

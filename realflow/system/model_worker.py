@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from realflow.api.backend import NonFiniteError
 from realflow.api.batch import SequenceBatch
-from realflow.api.data_source import load_dataset_shard
+from realflow.data.source import load_dataset_shard
 from realflow.api.experiment import ExperimentSetup
 from realflow.api.interface import make_interface
 from realflow.api.mfc import MFCDef, ModelInterfaceType
@@ -41,7 +41,7 @@ from realflow.system.model_store import ModelStore
 from realflow.system.plan import ExecutionPlan
 from realflow.system.sample_log import TrainSampleLog, samples_dir
 from realflow.system.trajectory_inbox import TrajectoryInbox
-from realflow.system.weight_sender import WeightSender
+from realflow.weights.publisher import WeightPublisher
 
 logger = get_logger("model_worker")
 
@@ -78,8 +78,7 @@ class ModelWorker:
         self.on_finish = on_finish
         self._calls: dict[str, _MFCCall] = {}  # per MFC name, filled on its first run
         self.inbox: TrajectoryInbox | None = None
-        self._wpool: shm.ShmPool | None = None  # for publish_weights (asynchronous runs)
-        self._sender: WeightSender | None = None  # broadcasts to servers on other hosts
+        self._publisher: WeightPublisher | None = None  # for publish_weights (asynchronous runs)
         self._store_socket: socket.socket | None = None  # worker 0: the rendezvous store's listener
         if setup.rollout is not None:  # asynchronous PPO: rollouts arrive here, not from a data set
             if secret is None:
@@ -160,7 +159,7 @@ class ModelWorker:
         ``mode="memory"``: HF-named tensors in one shared-memory segment, whose handle the
         controller hands to the servers on this host (released after the round; ``shm:
         false`` when there are none), and, when ``group`` names receivers (servers on
-        other hosts), a torch.distributed broadcast to them (:mod:`realflow.system.weight_sender`);
+        other hosts), a torch.distributed broadcast to them (:mod:`realflow.weights.publisher`);
         ``"disk"``: an HF checkpoint at ``path``. Only the writer (dp 0, tp 0, pp 0)
         returns something.
         """
@@ -174,24 +173,11 @@ class ModelWorker:
             state = model.module.full_hf_state()
             if state is None:
                 return {"handle": None}
-            reply: dict[str, Any] = {"handle": None, "host": socket.gethostname()}
-            if payload.get("group"):
-                if self._sender is None:
-                    self._sender = WeightSender(host_address())
-                reply["broadcast"] = self._sender.publish(state, payload["group"], payload["version"])
-            if payload.get("shm", True):
-                reply["handle"] = self._weights_pool(state).put_tensors(state)
-            return reply
-
-    def _weights_pool(self, state: dict) -> shm.ShmPool:
-        """Pre-faulted shared memory for published weights: a fresh segment costs ~3x a memcpy
-        (page faults and zeroing), on the critical path of every weight-update round."""
-        if self._wpool is None:
-            nbytes = sum(t.numel() * t.element_size() for t in state.values()) + (1 << 20)
-            prefix = shm.segment_prefix(self.setup.experiment_name, self.setup.trial_name)
-            self._wpool = shm.ShmPool(prefix, max_bytes=3 * nbytes, max_segments=2)
-            self._wpool.reserve(nbytes, 2)
-        return self._wpool
+            if self._publisher is None:
+                self._publisher = WeightPublisher(
+                    shm.segment_prefix(self.setup.experiment_name, self.setup.trial_name), host_address())
+            return self._publisher.publish(state, payload["version"], payload.get("group"),
+                                           payload.get("shm", True))
 
     def _is_writer(self, role: str) -> bool:
         return self.plan.role_home[role].workers[0] == self.index
@@ -342,10 +328,8 @@ class ModelWorker:
         self.data.close()
         if self.inbox is not None:
             self.inbox.close()
-        if self._wpool is not None:
-            self._wpool.close()
-        if self._sender is not None:
-            self._sender.close()
+        if self._publisher is not None:
+            self._publisher.close()
         if self.on_finish is not None:  # stop serving once this reply is sent
             self.on_finish()
         return {"worker": self.name}

@@ -2,7 +2,7 @@
 
 Servers on the writer's host read the weights from shared memory; the others (every
 server with ``weight_sync=broadcast``) are the receivers of a weight group whose rank 0
-is the trainer's writer (:mod:`realflow.comm.weight_broadcast`). The controller owns
+is the trainer's writer (:mod:`realflow.weights.broadcast`). The controller owns
 the membership: a plan names the receivers under a *generation* that changes when the
 set of live receivers changes or a broadcast failed, and the writer forms a new group
 for a new generation. A server lost mid-broadcast fails that round's broadcast for
@@ -15,12 +15,12 @@ import asyncio
 import logging
 from typing import Any, Optional
 
-from realflow.comm.weight_broadcast import GroupSpec
-from realflow.rollout.server_pool import ServerPool, ServerState
+from realflow.weights.broadcast import GroupSpec
+from realflow.weights.servers import Server, ServerSet
 
 __all__ = ["WeightGroups", "GROUP_NAME"]
 
-logger = logging.getLogger("realflow.rollout.controller")
+logger = logging.getLogger("realflow.rollout.controller")  # reported as the controller's
 
 GROUP_NAME = "realflow-weights"
 
@@ -28,7 +28,7 @@ GROUP_NAME = "realflow-weights"
 class WeightGroups:
     """Membership of the weight group and the servers' side of each broadcast."""
 
-    def __init__(self, pool: ServerPool, mode: str, timeout_s: float) -> None:
+    def __init__(self, pool: ServerSet, mode: str, timeout_s: float) -> None:
         self.pool, self.mode, self.timeout_s = pool, mode, timeout_s
         self.generation = 0
         self.members: list[str] = []
@@ -51,11 +51,11 @@ class WeightGroups:
         spec = GroupSpec(GROUP_NAME, self.generation, names, timeout_s=self.timeout_s)
         return {"shm": bool(local), "group": spec.to_wire()}
 
-    def receivers(self, bc: dict[str, Any]) -> list[ServerState]:
+    def receivers(self, bc: dict[str, Any]) -> list[Server]:
         spec = GroupSpec.from_wire(bc["group"])
         return [s for s in self.pool.alive() if s.name in spec.members]
 
-    async def deliver(self, bc: dict[str, Any], version: int, stage: bool) -> list[ServerState]:
+    async def deliver(self, bc: dict[str, Any], version: int, stage: bool) -> list[Server]:
         """Have the group's receivers join (a new generation) and receive version ``version``;
         return those that got it (staged when ``stage``). All or none: a collective."""
         spec = GroupSpec.from_wire(bc["group"])
@@ -82,18 +82,18 @@ class WeightGroups:
             return self._failed(spec, f"receiving v{version} failed: {bad}")
         return members
 
-    def _failed(self, spec: GroupSpec, why: str) -> list[ServerState]:
+    def _failed(self, spec: GroupSpec, why: str) -> list[Server]:
         self.broken, self.joined = True, None
         self.failures += 1
         logger.error("%s: %s; those servers keep their weights until the next round (a new group)",
                      spec.describe(), why)
         return []
 
-    async def _each(self, servers: list[ServerState], endpoint: str, bodies: list[dict], timeout: float
+    async def _each(self, servers: list[Server], endpoint: str, bodies: list[dict], timeout: float
                     ) -> dict[str, Any]:
         """One call per server with its own body, concurrently; errors come back as values
         (a server that refuses is not marked lost: its peers' failure may be the cause)."""
-        async def one(s: ServerState, body: dict) -> Any:
+        async def one(s: Server, body: dict) -> Any:
             try:
                 return await self.pool.call(s, endpoint, body, timeout)
             except Exception as e:  # noqa: BLE001 - reported by the caller with the server's name

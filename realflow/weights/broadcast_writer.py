@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from realflow.comm.weight_broadcast import (GroupSpec, TensorMeta, WeightBroadcastError, WeightGroup,
+from realflow.weights.broadcast import (GroupSpec, TensorMeta, WeightBroadcastError, WeightGroup,
                                             close_store, open_store)
 
 __all__ = ["WeightSender"]

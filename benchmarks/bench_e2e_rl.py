@@ -54,7 +54,7 @@ class Work:
 
     @classmethod
     def from_defaults(cls) -> "Work":
-        from realflow.api.config import import_modules, parse_overrides
+        from realflow.config.cli import import_modules, parse_overrides
         from realflow.api.experiment import experiment_registry
 
         import_modules(["experiments"])  # registers the experiments

@@ -55,7 +55,7 @@ def cases() -> list[Case]:
 
 
 def run_case(case: Case, root: str):
-    from realflow.api.config import parse_overrides
+    from realflow.config.cli import parse_overrides
     from realflow.api.experiment import experiment_registry
     from realflow.planner.cluster import parse_cluster
     from realflow.planner.models import load_model_config
@@ -82,7 +82,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="7b,32b,70b", help="which clusters (7b, 32b, 70b)")
     args = ap.parse_args()
-    from realflow.api.config import import_modules
+    from realflow.config.cli import import_modules
 
     import_modules(["experiments", "parallel.backend"])
     wanted = {c.strip() for c in args.cases.split(",")}

@@ -66,7 +66,7 @@ def _trial(exp: str, alloc: str, p: int) -> str:
 
 def predict(experiment: str, overrides: list[str], allocation: str, profile: str, model_dir: str,
             workload: dict) -> object:
-    from realflow.api.config import import_modules, parse_overrides
+    from realflow.config.cli import import_modules, parse_overrides
     from realflow.api.experiment import experiment_registry
     from realflow.planner.cluster import cluster_from_dict
     from realflow.planner.simulate import Workload, simulate

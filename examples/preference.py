@@ -29,8 +29,8 @@ import torch
 
 from experiments.tasks.arithmetic import generate_splits, solution_text
 from realflow.api.batch import SequenceBatch
-from realflow.api.data_source import register_data_source
-from realflow.api.dataset import DATASET_FORMATS
+from realflow.data.source import register_data_source
+from realflow.data.dataset import DATASET_FORMATS
 
 PAIR_KEYS = ("packed_input_ids", "prompt_mask")
 

@@ -6,7 +6,7 @@ json, parquet, a saved ``datasets`` directory; see ``docs/data.md``) and must re
 prompts identically in the trainer, the evaluation and the rollout workers. The keys are
 declared once here and become one ``DatasetSpec.args`` dict (:meth:`UserDataConfig.data_args`),
 which every process turns into the same rendering
-(:func:`realflow.api.data_source.prompt_format_of`).
+(:func:`realflow.data.source.prompt_format_of`).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from realflow.api.chat_render import load_template_file
+from realflow.data.chat_render import load_template_file
 
 DATA_FILES_HELP = "jsonl, json, parquet, or a directory saved by datasets' save_to_disk"
 

@@ -160,7 +160,7 @@ class _RLBase(BaseExperimentConfig):
         if self.model.path or os.path.isfile(os.path.join(actor, "config.json")):
             return None
         from experiments.init_model import planned_hf_config
-        from realflow.api.config import parse_overrides
+        from realflow.config.cli import parse_overrides
         from realflow.api.experiment import experiment_registry
 
         sft = parse_overrides(experiment_registry.get("sft"), list(get_task(self.dataset.task).sft_args))

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from fractions import Fraction
 
-from realflow.api.dataset import extract_final_answer
+from realflow.data.dataset import extract_final_answer
 
 __all__ = ["MathRewardResult", "extract_answer", "verify_answer", "math_reward", "has_answer_format",
            "arithmetic_reward"]

@@ -28,7 +28,7 @@ RETRY_MIN_GAIN = 0.06  # held-out first-try pass@1; measured 0.33 -> 0.50 (rewar
 def retry_root(tmp_path_factory):
     """A file root holding the math-retry agent's own SFT start (made as the experiment makes it)."""
     from examples.agents.math_retry import MathRetryConfig
-    from realflow.api.config import parse_overrides
+    from realflow.config.cli import parse_overrides
 
     root = tmp_path_factory.mktemp("retry")
     parse_overrides(MathRetryConfig, [f"fileroot={root}", f"sft_steps={RETRY_SFT_STEPS}"]).prepare()

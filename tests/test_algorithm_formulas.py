@@ -167,7 +167,7 @@ def reference(alg: str, groups: list[list[dict]]) -> tuple[torch.Tensor, list[to
 
 
 def _interface(alg: str):
-    from realflow.api.config import import_modules, parse_overrides
+    from realflow.config.cli import import_modules, parse_overrides
     from realflow.api.experiment import experiment_registry
     from realflow.api.interface import make_interface
 

@@ -17,7 +17,7 @@ import pytest
 from conftest import copy_sft_start
 
 from experiments.algorithms import ALGORITHMS
-from realflow.api.config import ConfigError, import_modules, parse_overrides
+from realflow.config.cli import ConfigError, import_modules, parse_overrides
 from realflow.api.experiment import experiment_registry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

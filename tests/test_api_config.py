@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional
 
 import pytest
 
-from realflow.api.config import (
+from realflow.config.cli import (
     ConfigError, config_to_dict, dict_to_config, field_paths, format_help, parse_cli, parse_overrides, pop_override,
     split_imports,
 )

@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 import pytest
 
-from realflow.api.config import ConfigError, config_to_dict, parse_overrides
-from realflow.api.config_files import dump_config, experiment_of, load_config_file, split_config_files, write_config
+from realflow.config.cli import ConfigError, config_to_dict, parse_overrides
+from realflow.config.files import dump_config, experiment_of, load_config_file, split_config_files, write_config
 
 
 class Backend(enum.Enum):

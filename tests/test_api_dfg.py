@@ -209,11 +209,13 @@ def _png_size(path) -> tuple[int, int]:
 
 
 def test_draw_png(tmp_path):
+    from realflow.system.plan_draw import draw_dataflow
+
     g = DataFlowGraph(ppo_mfcs(), {"prompts"})
-    out = g.draw(tmp_path / "sub" / "g.png", placement={n: "w0-1 d2" for n in g.names})
+    out = draw_dataflow(g, tmp_path / "sub" / "g.png", placement={n: "w0-1 d2" for n in g.names})
     w, h = _png_size(out)
     assert w > 600 and h > 300
-    out2 = g.draw(tmp_path / "plain.png")
+    out2 = draw_dataflow(g, tmp_path / "plain.png")
     assert _png_size(out2)[0] > 600
     with pytest.raises(GraphError, match="unknown MFC 'actor_tran'; did you mean 'actor_train'"):
-        g.draw(tmp_path / "x.png", placement={"actor_tran": "w0"})
+        draw_dataflow(g, tmp_path / "x.png", placement={"actor_tran": "w0"})

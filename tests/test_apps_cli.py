@@ -13,8 +13,8 @@ import textwrap
 import pytest
 import yaml
 
-from realflow.api.config import config_to_dict, parse_overrides
-from realflow.api.config_files import write_config
+from realflow.config.cli import config_to_dict, parse_overrides
+from realflow.config.files import write_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS = ("--check", "--dry-run", "--console", "--config FILE", "--print-config", "--import MODULE")
@@ -141,7 +141,7 @@ def test_workers_read_the_saved_config(tmp_path):
     """A run's processes parse `--config=<run dir>/config.yaml` (what the launcher passes them)."""
     pytest.importorskip("torch")
     import experiments  # noqa: F401
-    from realflow.api.config_files import dump_config
+    from realflow.config.files import dump_config
     from realflow.api.experiment import experiment_registry
     from realflow.system.worker_main import build_setup
 

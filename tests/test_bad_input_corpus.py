@@ -43,7 +43,7 @@ def _id(path: str) -> str:
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> dict[str, str]:
     """A prepared SFT fileroot (data, tokenizer, initial checkpoint) every case may point at."""
-    from realflow.api.config import import_modules, parse_overrides
+    from realflow.config.cli import import_modules, parse_overrides
     from realflow.api.experiment import experiment_registry
 
     root = str(tmp_path_factory.mktemp("corpus"))

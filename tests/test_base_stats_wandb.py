@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from realflow.api.config import ConfigError, import_modules, parse_overrides
+from realflow.config.cli import ConfigError, import_modules, parse_overrides
 from realflow.api.experiment import experiment_registry
 from realflow.base.stats import StatsLogger, read_jsonl
 from realflow.base.wandb_sink import RUN_ID_FILE, WandbConfig, check_installed, import_wandb

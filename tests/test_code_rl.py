@@ -39,7 +39,7 @@ def _run(module_args, fileroot, *overrides, timeout=300, env=None):
 
 def test_code_default_scores_training_and_held_out_with_the_sandboxed_reward(tmp_path):
     importlib.import_module("experiments")  # registers the experiments, rewards and agents
-    from realflow.api.config import parse_overrides
+    from realflow.config.cli import parse_overrides
     from realflow.api.experiment import experiment_registry
 
     cfg = parse_overrides(experiment_registry.get("async-grpo-code"), [f"fileroot={tmp_path}"])

@@ -7,8 +7,8 @@ from transformers import AutoTokenizer
 
 from experiments.tasks.arithmetic import ensure_dataset
 from experiments.tasks.tokenizer import ensure_tokenizer
-from realflow.api.data_source import dataset_keys, load_dataset_shard
-from realflow.api.dataset import (DATASET_FORMATS, DataRowError, PromptAnswerDataset, PromptFormat, SFTDataset,
+from realflow.data.source import dataset_keys, load_dataset_shard
+from realflow.data.dataset import (DATASET_FORMATS, DataRowError, PromptAnswerDataset, PromptFormat, SFTDataset,
                                   extract_final_answer, load_rows, load_rows_report)
 from realflow.api.experiment import DatasetSpec
 from realflow.api.registry import RegistryError
@@ -90,7 +90,7 @@ def test_bad_sft_rows_and_files(tmp_path):
 
 
 def test_user_format_registers_and_its_errors_get_a_line(tmp_path):
-    from realflow.api.dataset import PromptAnswerRow
+    from realflow.data.dataset import PromptAnswerRow
 
     def parse_qa(raw):
         if "q" not in raw:
@@ -238,7 +238,7 @@ def test_skipping_bad_rows_counts_them_with_the_length_filter(tmp_path, tok, cap
     p = _write(tmp_path / "mix.jsonl", rows)
     with pytest.raises(DataRowError, match=r"mix\.jsonl:2: "):
         PromptAnswerDataset.load(p, tok, max_prompt_len=16, fmt="gsm8k")
-    with caplog.at_level(logging.WARNING, logger="realflow.api.dataset"):
+    with caplog.at_level(logging.WARNING, logger="realflow.data.dataset"):
         ds = PromptAnswerDataset.load(p, tok, max_prompt_len=16, fmt="gsm8k", skip_bad_rows=True)
     assert ds.ids == ["mix-1", "mix-3", "mix-6"]
     assert (ds.report.total, ds.report.kept) == (6, 3)
@@ -298,7 +298,7 @@ def test_data_source_keys_and_shards_for_math_formats(tmp_path, tok, caplog):
     assert dataset_keys(DatasetSpec("boxed", str(p))) == ("packed_prompts", "answer")
     assert dataset_keys(DatasetSpec("sft", str(p))) == ("packed_input_ids", "prompt_mask", "answer")
     spec = DatasetSpec("gsm8k", str(p), {"max_prompt_len": 64, "skip_bad_rows": True})
-    with caplog.at_level(logging.INFO, logger="realflow.api.data_source"):
+    with caplog.at_level(logging.INFO, logger="realflow.data.source"):
         shards = [load_dataset_shard(spec, tok, r, 2) for r in range(2)]
     assert sorted(b.ids[0] for s in shards for b in s) == [f"g-{i}" for i in range(1, 8)]
     b = shards[0][0]
@@ -318,7 +318,7 @@ def test_data_source_keys_and_shards_for_math_formats(tmp_path, tok, caplog):
 
 
 def test_user_format_keys_come_from_the_parser_annotation(tmp_path):
-    from realflow.api.dataset import PromptAnswerRow, SFTRow
+    from realflow.data.dataset import PromptAnswerRow, SFTRow
 
     def parse_qa(raw) -> PromptAnswerRow:
         return PromptAnswerRow(id="", prompt=raw["q"], answer=str(raw["a"]))

@@ -14,10 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from user_model_fixture import make_chat_tokenizer
 
-from realflow.api.chat_render import ChatTemplateError, PromptFormat, conversation_ids, load_template_file, prompt_ids
-from realflow.api.data_readers import read_records
-from realflow.api.data_source import load_dataset_shard, load_tokenized
-from realflow.api.dataset import DataRowError, FieldMap, SFTDataset, load_rows
+from realflow.data.chat_render import ChatTemplateError, PromptFormat, conversation_ids, load_template_file, prompt_ids
+from realflow.data.readers import read_records
+from realflow.data.source import load_dataset_shard, load_tokenized
+from realflow.data.dataset import DataRowError, FieldMap, SFTDataset, load_rows
 from realflow.api.experiment import DatasetSpec
 from realflow.base.tokenizer_loading import load_tokenizer
 

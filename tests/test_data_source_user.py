@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 from experiments.tasks.arithmetic import ensure_dataset
 from experiments.tasks.tokenizer import ensure_tokenizer
 from realflow.api.batch import SequenceBatch
-from realflow.api.data_source import DATA_SOURCES, dataset_keys, load_dataset_shard, register_data_source
-from realflow.api.dataset import DATASET_FORMATS, DataRowError
+from realflow.data.source import DATA_SOURCES, dataset_keys, load_dataset_shard, register_data_source
+from realflow.data.dataset import DATASET_FORMATS, DataRowError
 from realflow.api.experiment import DatasetSpec
 
 

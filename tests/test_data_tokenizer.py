@@ -76,7 +76,7 @@ def test_ensure_tokenizer_is_idempotent_and_deterministic(tmp_path, data, tok_di
 
 
 def test_bad_corpus_line_is_named(tmp_path):
-    from realflow.api.dataset import DataRowError
+    from realflow.data.dataset import DataRowError
 
     bad = tmp_path / "c.jsonl"
     bad.write_text('{"prompt": "1+1="}\n{oops\n')

@@ -40,7 +40,7 @@ def _run(fileroot, trial, *overrides, timeout=300):
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """A data set, tokenizer and start shared by every run, and the id of the row to poison."""
-    from realflow.api.config import import_modules, parse_overrides
+    from realflow.config.cli import import_modules, parse_overrides
     from realflow.api.experiment import experiment_registry
 
     fileroot = tmp_path_factory.mktemp("nonfinite")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from realflow.api.config import import_modules, parse_overrides
+from realflow.config.cli import import_modules, parse_overrides
 from realflow.api.experiment import experiment_registry
 from realflow.system.plan_types import ParamRealloc
 from realflow.planner.cluster import ClusterError, parse_cluster

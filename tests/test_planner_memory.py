@@ -121,7 +121,7 @@ def measured():
 def _predicted(tmp_path, layout: str) -> dict[int, float]:
     import json
 
-    from realflow.api.config import import_modules, parse_overrides
+    from realflow.config.cli import import_modules, parse_overrides
     from realflow.api.experiment import experiment_registry
     from realflow.planner.cluster import cluster_from_dict
     from realflow.planner.simulate import Workload, simulate

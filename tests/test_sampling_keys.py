@@ -199,7 +199,7 @@ def test_sampling_params_min_p_errors(value):
 
 
 def _config(exp: str, *over: str):
-    from realflow.api.config import import_modules, parse_overrides
+    from realflow.config.cli import import_modules, parse_overrides
     from realflow.api.experiment import experiment_registry
 
     import_modules(["experiments"])
@@ -216,7 +216,7 @@ def _config(exp: str, *over: str):
     ("ppo.stop_token_ids=7,-9", "ppo.stop_token_ids=[7, -9] must be a list of token ids (integers >= 0)"),
 ])
 def test_ppo_sampling_key_errors(arg, message):
-    from realflow.api.config import ConfigError
+    from realflow.config.cli import ConfigError
 
     for exp in ("grpo-math", "async-grpo-math"):
         with pytest.raises(ConfigError) as e:

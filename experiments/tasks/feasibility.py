@@ -51,7 +51,7 @@ from experiments.tasks import worked_arithmetic
 from experiments.tasks.arithmetic import ensure_dataset
 from experiments.tasks.tokenizer import ensure_tokenizer
 from mfc.math_reward import verify_answer
-from realflow.api.dataset import PromptAnswerDataset, SFTDataset
+from realflow.data.dataset import PromptAnswerDataset, SFTDataset
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Iterable, Iterator, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from realflow.api.dataset import read_jsonl
+from realflow.data.dataset import read_jsonl
 
 TOKENIZER_VERSION = 2
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"

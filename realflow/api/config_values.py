@@ -1,7 +1,7 @@
 """Typed values of config fields: read from command-line text or plain data, written back to plain data.
 
 Why its own module: the conversion rules (one per field type) are shared by ``key=value``
-overrides (:mod:`realflow.api.config`), config files (:mod:`realflow.api.config_files`) and
+overrides (:mod:`realflow.config.cli`), config files (:mod:`realflow.config.files`) and
 configs rebuilt inside a worker from msgpack-able data (:func:`dict_to_config`), and must be
 one set of rules so that a value means the same wherever it is written.  Values are
 converted from the field's type annotation:

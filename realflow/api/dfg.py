@@ -16,7 +16,6 @@ Graph builders (config -> ``[MFCDef]``) register here by name.
 """
 from __future__ import annotations
 
-import pathlib
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import networkx as nx
@@ -293,27 +292,6 @@ class DataFlowGraph:
     def __repr__(self) -> str:
         return f"DataFlowGraph({self.names}, dataset_keys={sorted(self._dataset_keys)})"
 
-    def draw(self, path_png: str | pathlib.Path, placement: dict[str, str] | None = None) -> pathlib.Path:
-        """Draw the graph to a PNG, one column per topological generation (deterministic layout).
-
-        ``placement`` maps MFC name -> a short label (e.g. ``"w0-3 d2t2"``); MFCs
-        with the same label get the same color, so colocation is visible.
-        Without it, colors follow roles.
-        """
-        from realflow.api._draw import draw_graph
-
-        placement = dict(placement or {})
-        for name in placement:
-            if name not in self._mfcs:
-                raise GraphError(f"placement names unknown MFC {name!r}" + did_you_mean(name, self.names))
-        nodes = []
-        for gi, gen in enumerate(self.topological_generations()):
-            for row, name in enumerate(gen):
-                m = self._mfcs[name]
-                nodes.append((name, gi, row, len(gen), f"{m.model_name}.{m.interface_type.value}"))
-        ds_edges = [(k, m.name) for m in self._mfcs.values() for k in m.input_keys if k in self._dataset_keys]
-        return draw_graph(pathlib.Path(path_png), nodes, self.edges(), ds_edges, placement,
-                          {m.name: m.model_name for m in self._mfcs.values()})
 
 
 def build_graph(builder: str, *args: Any, dataset_keys: Iterable[str] = (), **kwargs: Any) -> DataFlowGraph:

@@ -91,7 +91,7 @@ class ModelSpec:
 
 @dataclass
 class DatasetSpec:
-    """A data set in a registered format (see ``realflow.api.dataset``)."""
+    """A data set in a registered format (see ``realflow.data.dataset``)."""
 
     format: str
     path: str
@@ -314,7 +314,7 @@ class BaseExperimentConfig:
         (a tracker's copy of the config must never stop a run)."""
         import json
 
-        from realflow.api.config import ConfigError, config_to_dict
+        from realflow.api.config_values import ConfigError, config_to_dict
 
         try:
             return config_to_dict(self)

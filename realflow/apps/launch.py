@@ -24,9 +24,9 @@ import sys
 import time
 from typing import Optional
 
-from realflow.api.config import ConfigError, format_help, import_modules, parse_overrides
-from realflow.api.config_files import dump_config, experiment_of, write_config
-from realflow.api.dataset import DataRowError
+from realflow.config.cli import ConfigError, format_help, import_modules, parse_overrides
+from realflow.config.files import dump_config, experiment_of, write_config
+from realflow.data.dataset import DataRowError
 from realflow.api.experiment import experiment_registry
 from realflow.base import names
 from realflow.base.output_paths import check_tree_inside, output_root

@@ -105,7 +105,7 @@ def _help(topic: list[str], imports: Optional[list[str]] = None) -> int:
 
 def _experiments(imports: list[str]) -> Optional[list[str]]:
     """The registered experiment names (built-in ones and those of ``imports``); None after a one-line error."""
-    from realflow.api.config import ConfigError, import_modules
+    from realflow.config.cli import ConfigError, import_modules
     from realflow.api.experiment import experiment_registry
     from realflow.apps.launch import BUILTIN_MODULES
 

@@ -17,7 +17,7 @@ import dataclasses
 import sys
 from typing import Optional
 
-from realflow.api.config import ConfigError, import_modules, parse_overrides
+from realflow.config.cli import ConfigError, import_modules, parse_overrides
 from realflow.api.experiment import experiment_registry
 
 PLANNER_KEYS = ("model", "cluster", "profile", "sync_experiment")  # sync_experiment: --scaling's baseline

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from realflow.api.chat_render import render_chat_text
+from realflow.data.chat_render import render_chat_text
 
 __all__ = ["PLAIN_CHAT_TEMPLATE", "ChatTokenizer", "parse_tool_calls", "normalize_messages", "Spliced"]
 
@@ -132,7 +132,7 @@ class ChatTokenizer:
         self.end_markers = [t for t in {tokenizer.eos_token} if t]
 
     def render(self, messages: Sequence[dict[str, Any]], tools: Any, generation_prompt: bool = True) -> str:
-        # the rendering the data sets use too (realflow.api.chat_render): ids never drift between them
+        # the rendering the data sets use too (realflow.data.chat_render): ids never drift between them
         return render_chat_text(self.tok, messages, self.template, generation_prompt, tools)
 
     def encode(self, text: str) -> list[int]:

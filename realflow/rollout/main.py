@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any, Optional
 
-from realflow.api.config import import_modules, parse_overrides
+from realflow.config.cli import import_modules, parse_overrides
 from realflow.api.experiment import ExperimentSetup, experiment_registry
 from realflow.base import names
 from realflow.base.name_resolve import NameNotFound, make_name_resolver

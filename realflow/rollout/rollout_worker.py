@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 
 from realflow.api.agent import Completion, RewardTimeout, make_agent
-from realflow.api.data_source import load_tokenized
+from realflow.data.source import load_tokenized
 from realflow.api.experiment import DatasetSpec, ExperimentSetup
 from realflow.api.rollout import rollout_to_batch
 from realflow.base.fault_injection import fault_point
@@ -59,7 +59,7 @@ class ControllerError(RuntimeError):
 
 
 def _child_init(imports: list[str]) -> None:
-    from realflow.api.config import import_modules
+    from realflow.config.cli import import_modules
 
     import_modules(imports)
 

@@ -187,6 +187,6 @@ def build_graph(setup: ExperimentSetup) -> DataFlowGraph:
 
         keys = {*TRAJECTORY_KEYS, VERSION_ADMIT, VERSION_OLDEST, VERSION_NEWEST, "answer"}
         return DataFlowGraph(setup.mfcs, dataset_keys=keys)
-    from realflow.api.data_source import dataset_keys
+    from realflow.data.source import dataset_keys
 
     return DataFlowGraph(setup.mfcs, dataset_keys=set(dataset_keys(setup.dataset)))

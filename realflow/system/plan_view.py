@@ -92,7 +92,7 @@ def describe_plan(plan: "ExecutionPlan") -> str:
 
 def draw_plan(plan: "ExecutionPlan", path: pathlib.Path) -> pathlib.Path:
     """Two panels: the graph (nodes colored by placement) and the MFC x worker placement grid."""
-    from realflow.api._draw import draw_plan_figure
+    from realflow.system.plan_draw import draw_plan_figure
 
     g = plan.graph
     nodes = []

@@ -17,7 +17,7 @@ import re
 
 from typing import Optional, Sequence
 
-from realflow.api.dataset import DataRowError, load_rows_report
+from realflow.data.dataset import DataRowError, load_rows_report
 from realflow.api.experiment import DatasetSpec, ExperimentSetup
 
 
@@ -101,7 +101,7 @@ def check_dataset(spec: DatasetSpec, what: str) -> int:
     """Parse every row of ``spec``; return the row count."""
     if not os.path.exists(spec.path):
         raise PreflightError(f"{what}: data file {spec.path} does not exist")
-    from realflow.api.data_source import field_map_of
+    from realflow.data.source import field_map_of
 
     fields = field_map_of(spec.args)
     try:
@@ -115,7 +115,7 @@ def check_dataset(spec: DatasetSpec, what: str) -> int:
 def check_lengths(spec: DatasetSpec, tokenizer_path: str, what: str) -> Optional[str]:
     """Tokenize ``spec`` as the workers will; rows over the length limits are an error naming the
     count, the key and the length to set (unless ``filter_overlong``). Returns the filter report."""
-    from realflow.api.data_source import DATA_SOURCES, load_tokenized
+    from realflow.data.source import DATA_SOURCES, load_tokenized
     from realflow.base.tokenizer_loading import load_tokenizer
 
     if spec.format in DATA_SOURCES:  # a user data source decides its own filtering

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from realflow.api.config import import_modules, parse_overrides
+from realflow.config.cli import import_modules, parse_overrides
 from realflow.api.experiment import ExperimentSetup, experiment_registry
 from realflow.base import names
 from realflow.base.logging import get_logger

@@ -2,7 +2,7 @@
 
 Every experiment is a (nested) dataclass.  The command line is a list of
 ``key=value`` overrides on top of its defaults, with dots for nesting, and optionally
-``--config FILE`` items (YAML or JSON, :mod:`realflow.api.config_files`) under them::
+``--config FILE`` items (YAML or JSON, :mod:`realflow.config.files`) under them::
 
     python -m realflow.apps.main_sync_ppo --config run.yaml actor.path=/ckpt/qwen2 optimizer.lr=1e-4 seeds=1,2,3
 
@@ -30,7 +30,7 @@ import sys
 import typing
 from typing import Any, Sequence, TypeVar
 
-from realflow.api.config_files import Setting, file_settings, split_config_files, split_option
+from realflow.config.files import Setting, file_settings, split_config_files, split_option
 from realflow.api.config_values import (
     _UNSET, ConfigError, _construct, _convert, _dataclass_of, _field_default, _hints, _init_fields, _plain,
     _split_optional, _type_name, config_to_dict, dict_to_config, field_paths,
@@ -207,7 +207,7 @@ def parse_overrides(cls: type[T], argv: list[str], base: T | None = None) -> T:
     """Build ``cls`` (or update ``base``) from ``key=value`` items; later items win.
 
     ``--config FILE`` / ``--config=FILE`` items load YAML or JSON files
-    (:mod:`realflow.api.config_files`) *under* every ``key=value`` item, whatever their
+    (:mod:`realflow.config.files`) *under* every ``key=value`` item, whatever their
     position: files are the base a command line adjusts, and later files win over earlier
     ones.  Preset keys (``cls.PRESETS``, e.g. ``algorithm=dapo``, from a file or the command
     line) expand before everything (see :func:`expand_presets`).  An error about a key a file

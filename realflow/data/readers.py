@@ -3,7 +3,7 @@
 Why one module: every reader must hand the row parsers the same thing -- a plain dict
 per row plus *where* it came from -- so that a bad row is reported the same way
 whatever the file type (``train.jsonl:17: ...``, ``train.parquet: row 17: ...``). The
-parsers in :mod:`realflow.api.dataset` never see a file.
+parsers in :mod:`realflow.data.dataset` never see a file.
 
 * ``.jsonl`` / ``.ndjson``: one JSON object per line (blank lines skipped);
 * ``.json``: a JSON array of objects, or JSON lines (what ``datasets``' ``to_json``

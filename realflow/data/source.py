@@ -22,24 +22,24 @@ the data source decides the keys the graph sees and how a row becomes tensors.
 ``spec.args`` (all optional): ``max_prompt_len`` (default 1024), ``max_seq_len``
 (SFT), ``seed``, ``chat_template`` (auto | none | tokenizer, or a bool),
 ``system_prompt``, ``prompt_template``, ``add_generation_prompt`` (see
-:class:`~realflow.api.chat_render.PromptFormat`), ``prompt_key``/``answer_key``/
-``response_key`` (see :class:`~realflow.api.data_rows.FieldMap`) and ``skip_bad_rows``
+:class:`~realflow.data.chat_render.PromptFormat`), ``prompt_key``/``answer_key``/
+``response_key`` (see :class:`~realflow.data.rows.FieldMap`) and ``skip_bad_rows``
 (bool: log and count bad rows instead of failing). Unknown args are errors.
 """
 from __future__ import annotations
 
 import logging
 import typing
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
 from realflow.api.batch import SequenceBatch
-from realflow.api.dataset import (DATASET_FORMATS, FieldMap, PromptAnswerDataset, PromptAnswerRow, PromptFormat,
-                                  SFTDataset, SFTRow, load_rows_report)
+from realflow.api.data_formats import DATA_SOURCES, DataSource, register_data_source
 from realflow.api.experiment import DatasetSpec
-from realflow.api.registry import Registry, did_you_mean
+from realflow.api.registry import did_you_mean
+from realflow.data.dataset import (DATASET_FORMATS, FieldMap, PromptAnswerDataset, PromptAnswerRow, PromptFormat,
+                                  SFTDataset, SFTRow, load_rows_report)
 
 __all__ = ["dataset_keys", "load_dataset_shard", "DATASET_ARGS", "DataSource", "DATA_SOURCES",
            "register_data_source", "prompt_format_of", "field_map_of", "load_tokenized"]
@@ -56,30 +56,7 @@ FIELD_ARGS = ("prompt_key", "answer_key", "response_key")
 DATASET_ARGS = ("max_prompt_len", "max_seq_len", "seed", "skip_bad_rows", "filter_overlong") + FORMAT_ARGS + FIELD_ARGS
 
 
-@dataclass(frozen=True)
-class DataSource:
-    """How rows of a user format become samples: ``keys`` (tensor keys and metadata keys every
-    sample carries), ``to_sample`` and the extra ``spec.args`` it accepts."""
-    keys: tuple[str, ...]
-    to_sample: Callable[[Any, Any, dict[str, Any]], Optional[SequenceBatch]]
-    args: tuple[str, ...] = ()
-
-
-DATA_SOURCES: Registry[DataSource] = Registry("data source")
 _COMMON_ARGS = ("seed", "skip_bad_rows", "filter_overlong") + FIELD_ARGS
-
-
-def register_data_source(name: str, keys: tuple[str, ...], args: tuple[str, ...] = ()):
-    """Decorate ``to_sample(row, tokenizer, args) -> SequenceBatch | None`` (``row``: what the
-    ``DATASET_FORMATS`` parser of the same name returned, with its ``id``; ``args``: the
-    spec's args minus ``seed``/``skip_bad_rows``) to make format ``name`` a data source."""
-    if not keys or not all(isinstance(k, str) and k for k in keys):
-        raise ValueError(f"data source {name!r}: keys must be non-empty strings, got {keys!r}")
-
-    def decorator(fn: Callable[[Any, Any, dict[str, Any]], Optional[SequenceBatch]]):
-        DATA_SOURCES.register(name, DataSource(tuple(keys), fn, tuple(args)))
-        return fn
-    return decorator
 
 
 def _kind(fmt: str) -> str | None:
@@ -108,7 +85,7 @@ def dataset_keys(spec: DatasetSpec) -> tuple[str, ...]:
             + did_you_mean(spec.format, known)
             + f" (known: {known}; a user format's parser must be annotated "
             "'-> PromptAnswerRow' or '-> SFTRow', or a data source registered with "
-            "realflow.api.data_source.register_data_source)"
+            "realflow.data.source.register_data_source)"
         )
     return (_SFT_KEYS if kind == "sft" else _PROMPT_KEYS) + _METADATA_KEYS
 

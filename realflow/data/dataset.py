@@ -1,9 +1,9 @@
 """Tokenized, shardable data sets (and the names of the data layer, re-exported).
 
-Rows are read by :mod:`realflow.api.data_readers` (jsonl, json, parquet, saved
-``datasets``) and parsed by the formats of :mod:`realflow.api.data_rows` (plain fields,
+Rows are read by :mod:`realflow.data.readers` (jsonl, json, parquet, saved
+``datasets``) and parsed by the formats of :mod:`realflow.data.rows` (plain fields,
 conversational prompts, ``messages``, field mappings); prompts become token ids through
-:mod:`realflow.api.chat_render`, the one rendering the whole run shares. This module
+:mod:`realflow.data.chat_render`, the one rendering the whole run shares. This module
 turns rows into samples, counts what the length limits drop (:class:`FilterReport`) and
 shards them.
 
@@ -19,9 +19,9 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Protocol, Sequence, TypeVar
 
-from realflow.api.chat_render import ChatTemplateError, PromptFormat, conversation_ids, prompt_messages, render_prompts, template_of
-from realflow.api.data_readers import DataRowError, _jsonl
-from realflow.api.data_rows import (DATASET_FORMATS, FieldMap, PromptAnswerRow, RowInvalid, SFTRow,
+from realflow.data.chat_render import ChatTemplateError, PromptFormat, conversation_ids, prompt_messages, render_prompts, template_of
+from realflow.data.readers import DataRowError, _jsonl
+from realflow.data.rows import (DATASET_FORMATS, FieldMap, PromptAnswerRow, RowInvalid, SFTRow,
                                     extract_boxed, extract_final_answer, load_rows, load_rows_report)
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class PromptAnswerDataset(_ShardedDataset[PromptSample]):
 
 class SFTDataset(_ShardedDataset[SFTSample]):
     """SFT samples. With a chat template (or a conversational row) the whole conversation is
-    rendered by :func:`~realflow.api.chat_render.conversation_ids` and only assistant tokens
+    rendered by :func:`~realflow.data.chat_render.conversation_ids` and only assistant tokens
     carry loss; otherwise a text prompt (with the tokenizer's special tokens, e.g. BOS, under
     its :class:`PromptFormat`) is followed by response + EOS. Rows whose prompt (the tokens
     before the first target token) exceeds ``max_prompt_len`` or whose whole sequence exceeds

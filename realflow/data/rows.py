@@ -25,18 +25,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
 
-from realflow.api.data_readers import DataRowError, read_records
-from realflow.api.registry import Registry
+from realflow.api.data_formats import DATASET_FORMATS, Messages, PromptAnswerRow, RowInvalid, SFTRow
+from realflow.data.readers import DataRowError, read_records
 
 __all__ = [
     "DataRowError", "RowInvalid", "PromptAnswerRow", "SFTRow", "DATASET_FORMATS", "FieldMap", "load_rows",
     "load_rows_report", "extract_boxed", "extract_final_answer", "PROMPT_KEYS", "ANSWER_KEYS", "RESPONSE_KEYS",
 ]
 
-Messages = list  # of {"role": str, "content": str}
 PROMPT_KEYS = ("prompt", "question", "problem")
 ANSWER_KEYS = ("answer", "ground_truth", "reward_model.ground_truth")
 RESPONSE_KEYS = ("response", "solution", "completion")
@@ -74,39 +73,6 @@ def extract_final_answer(text: str) -> tuple[str | None, str]:
 
 
 # ----------------------------------------------------------------------------- rows
-
-@dataclass(frozen=True)
-class PromptAnswerRow:
-    """A prompt to generate from (text, or ``{role, content}`` messages) and the reference
-    final answer (RL data)."""
-    id: str
-    prompt: Union[str, Messages]
-    answer: str
-    meta: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class SFTRow:
-    """A prompt and the target response (SFT data); ``answer`` if one can be read off.
-    ``messages``, when set, is the whole conversation to train on (its assistant turns are
-    the targets); ``prompt``/``response`` then hold its first prompt and last reply."""
-    id: str
-    prompt: Union[str, Messages]
-    response: str
-    answer: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    messages: Optional[Messages] = None
-
-
-class RowInvalid(ValueError):
-    """Raised by a format parser; the loader adds ``path:line``."""
-
-
-# A format turns a raw row (a dict) into a typed row, raising RowInvalid (or
-# ValueError/TypeError) with a short reason. ``id`` is filled in by the loader.
-RowParser = Callable[[dict], "PromptAnswerRow | SFTRow"]
-DATASET_FORMATS: Registry[RowParser] = Registry("data set format")
-
 
 @dataclass(frozen=True)
 class FieldMap:

@@ -58,6 +58,11 @@ setup(
             "realflow-sync-ppo=realflow.apps.main_sync_ppo:main",
             "realflow-async-ppo=realflow.apps.main_async_ppo:main",
             "realflow=realflow.apps.main:main",
-        ]
+        ],
+        # Plugins of other packages: modules imported by every realflow process so that their
+        # registrations run (realflow.plugins.load_plugins). The built-in ones are listed in
+        # realflow/plugins.py (they load uninstalled too); a package of yours adds e.g.
+        # "my_pkg = my_pkg.realflow_plugin" under this group in its own setup.
+        "realflow.plugins": [],
     },
 )

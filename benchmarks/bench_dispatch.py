@@ -3,7 +3,7 @@
 One command:  python benchmarks/bench_dispatch.py [--n 50] [--rounds 60] [--repeat 5]
 
 Ours: this process is the master (``realflow.system.master.Master``); one model
-worker runs as a separate process (``realflow.system.worker_main``) with a registered
+worker runs as a separate process (``realflow.apps.worker``) with a registered
 no-op interface and no model. Each round trip is one call of the master's
 ``_run_generation`` for an inference MFC on 8 samples: data-parallel assignment,
 transfer grouping, a signed ``run_mfc`` request, the worker gathering the inputs from
@@ -225,7 +225,7 @@ def measure(n: int, rounds: int, prefix: list[str], fresh_output: bool = False) 
     from realflow.comm.rpc import MasterEndpoint
     from realflow.system.master import Master
     from realflow.system.plan import compile_plan
-    from realflow.system.worker_main import resolver_for
+    from realflow.system.roles import resolver_for
     from realflow.scheduler.proc import make_child_setup
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -241,7 +241,7 @@ def measure(n: int, rounds: int, prefix: list[str], fresh_output: bool = False) 
         resolver.add(names.heartbeat_address(setup.experiment_name, setup.trial_name), monitor.address)
         env = dict(os.environ, REALFLOW_SECRET=secret.hex(), PYTHONPATH=REPO + os.pathsep + os.path.join(REPO, "benchmarks"))
         worker = subprocess.Popen(  # (dies with this process: it would otherwise wait for a master forever)
-            [*prefix, sys.executable, "-m", "realflow.system.worker_main", "--role", "model_worker", "--index", "0",
+            [*prefix, sys.executable, "-m", "realflow.apps.worker", "--role", "model_worker", "--index", "0",
              "--experiment", "bench_dispatch", "--import", "bench_dispatch", "--", f"data_dir={tmp}",
              f"fresh_output={str(fresh_output).lower()}"],
             cwd=REPO, env=env, preexec_fn=make_child_setup(os.getpid()))

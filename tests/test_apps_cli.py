@@ -143,7 +143,7 @@ def test_workers_read_the_saved_config(tmp_path):
     import experiments  # noqa: F401
     from realflow.config.files import dump_config
     from realflow.api.experiment import experiment_registry
-    from realflow.system.worker_main import build_setup
+    from realflow.system.roles import build_setup
 
     cfg = parse_overrides(experiment_registry.get("async-grpo-math"), [f"fileroot={tmp_path}", "algorithm=dapo"])
     path = write_config(str(tmp_path / "config.yaml"), dump_config(cfg, "async-grpo-math"))

@@ -2,7 +2,7 @@
 
 Importing this package registers the ``builtin`` and ``sglang`` entries of
 :data:`realflow.api.generation.generation_backends`, so that
-``python -m realflow.rollout.gen_server --import parallel.generation --backend builtin``
+``python -m realflow.rollout.gen_server --backend builtin``
 finds them.  The engine itself is :class:`parallel.generation.engine.GenerationEngine`.
 """
 from parallel.generation import backend as _backend  # noqa: F401  (registers "builtin")

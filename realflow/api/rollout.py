@@ -59,7 +59,7 @@ class RolloutSpec:
     n_servers: int = 1
     server_tp: int = 1
     backend: str = "builtin"
-    backend_imports: list[str] = field(default_factory=lambda: ["parallel.generation"])
+    backend_imports: list[str] = field(default_factory=list)  # beside the built-in generation plugins (realflow.plugins)
     max_running_requests: int = 64
     n_rollout_workers: int = 1
     max_concurrent_rollouts: int = 32  # per rollout worker

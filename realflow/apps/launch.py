@@ -24,10 +24,12 @@ import sys
 import time
 from typing import Optional
 
-from realflow.config.cli import ConfigError, format_help, import_modules, parse_overrides
+from realflow.api.experiment import experiment_registry
+from realflow.apps.worker import role_command
+from realflow.config.cli import ConfigError, format_help, parse_overrides
 from realflow.config.files import dump_config, experiment_of, write_config
 from realflow.data.dataset import DataRowError
-from realflow.api.experiment import experiment_registry
+from realflow.plugins import load_plugins
 from realflow.base import names
 from realflow.base.output_paths import check_tree_inside, output_root
 from realflow.base.wandb_sink import check_installed
@@ -37,7 +39,6 @@ from realflow.system.plan import compile_plan
 from realflow.system.preflight import PreflightError, preflight
 from realflow.system.progress import ProgressFollower
 
-BUILTIN_MODULES = ["experiments"]
 USAGE = ("usage: python -m realflow.apps.{app} [--config FILE ...] [key=value ...] [--import MODULE ...] "
          "[--check | --dry-run | --print-config] [--console] [--help]")
 #: the launcher's options, as (flag, what it does): the options block of every experiment's --help
@@ -124,7 +125,7 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
     try:
         args = _split_args(argv)
         imports, mode, console = args.imports, args.mode, args.console
-        import_modules(BUILTIN_MODULES + imports)
+        load_plugins(imports)
         named = None if args.experiment else experiment_of(args.configs)  # (name, file:line) or None
         experiment = args.experiment or (named[0] if named else experiment)
         if experiment is None:
@@ -314,27 +315,20 @@ def worker_requests(experiment: str, imports: list[str], overrides: list[str], s
     env = {SECRET_FILE_ENV: write_secret_file(os.path.join(setup.run_dir, ".secret"), new_secret())}
     if setup.deploy.cluster:  # bind and advertise the node's address, not loopback
         env["REALFLOW_CLUSTER"] = "1"
-    common = ["--experiment", experiment]
-    for mod in BUILTIN_MODULES + imports:
-        common += ["--import", mod]
-    entry = [sys.executable, "-m", "realflow.system.worker_main"]
+
+    def argv(role: str, i: int) -> list[str]:
+        return role_command(role, i, experiment, imports, overrides)
+
     d = setup.deploy
     on_gpus = (d.launcher == "slurm" and d.slurm.gpus_per_node > 0) or (d.launcher == "ray" and d.ray.gpus_per_worker > 0)
-    reqs = [WorkerRequest("master", entry + ["--role", "master"] + common + ["--"] + overrides, env,
-                          n_threads=1, kind="master")]
+    reqs = [WorkerRequest("master", argv("master", 0), env, n_threads=1, kind="master")]
     for i in range(setup.n_workers):
-        argv = entry + ["--role", "model_worker", "--index", str(i)] + common + ["--"] + overrides
-        reqs.append(WorkerRequest(f"model_worker/{i}", argv, env, n_threads=setup.worker_threads,
+        reqs.append(WorkerRequest(f"model_worker/{i}", argv("model_worker", i), env, n_threads=setup.worker_threads,
                                   kind="model_worker", gpus=1 if on_gpus else 0))
     spec = setup.rollout
     # a dead generation server is replaced in place (it rejoins the controller) when the run recovers
     server_restarts = setup.recover.retries if setup.recover.mode == "auto" else 0
     if spec is not None:
-        rentry = [sys.executable, "-m", "realflow.rollout.main"]
-
-        def argv(role: str, i: int) -> list[str]:
-            return rentry + ["--role", role, "--index", str(i)] + common + ["--"] + overrides
-
         for i in range(spec.n_servers):
             reqs.append(WorkerRequest(f"gen_server/{i}", argv("gen_server", i), env,
                                       n_threads=spec.server_tp * setup.worker_threads, kind="gen_server",

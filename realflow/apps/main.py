@@ -105,12 +105,12 @@ def _help(topic: list[str], imports: Optional[list[str]] = None) -> int:
 
 def _experiments(imports: list[str]) -> Optional[list[str]]:
     """The registered experiment names (built-in ones and those of ``imports``); None after a one-line error."""
-    from realflow.config.cli import ConfigError, import_modules
     from realflow.api.experiment import experiment_registry
-    from realflow.apps.launch import BUILTIN_MODULES
+    from realflow.config.cli import ConfigError
+    from realflow.plugins import load_plugins
 
     try:
-        import_modules(BUILTIN_MODULES + imports)
+        load_plugins(imports)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return None

@@ -17,8 +17,9 @@ import dataclasses
 import sys
 from typing import Optional
 
-from realflow.config.cli import ConfigError, import_modules, parse_overrides
 from realflow.api.experiment import experiment_registry
+from realflow.config.cli import ConfigError, parse_overrides
+from realflow.plugins import load_plugins
 
 PLANNER_KEYS = ("model", "cluster", "profile", "sync_experiment")  # sync_experiment: --scaling's baseline
 AREAL_FIGURE = ("AReaL (arXiv 2505.24298, abstract): up to 2.77x the training speed of synchronous systems with the "
@@ -65,7 +66,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for k in ("model", "cluster", "experiment"):
             if k not in keys:
                 raise ConfigError(f"realflow plan needs {k}=... (see `realflow plan --help`)")
-        import_modules(["experiments", "parallel.backend", *args.imports])
+        load_plugins(args.imports)  # the built-in experiments register the megatron backend too
         cls = experiment_registry.get(keys["experiment"])
         known = {f.name for f in dataclasses.fields(Workload)}
         bad = sorted(set(wl) - known)

@@ -40,15 +40,16 @@ there).  The server binds 127.0.0.1 unless told otherwise.
 
 Entry point::
 
-    python -m realflow.rollout.gen_server --model PATH --backend builtin --port 0 \\
-        --import parallel.generation
+    python -m realflow.rollout.gen_server --model PATH --backend builtin --port 0 [--import MODULE]
+
+(the built-in generation backends load by themselves, :mod:`realflow.plugins`; ``--import``
+adds a module that registers another one.)
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import hmac
-import importlib
 import os
 import socket
 import json
@@ -63,6 +64,7 @@ from aiohttp import web
 from realflow.api.generation import (PAUSE_MODES, BackendConfig, ExternalServerBackend, GenerationResult,
                                      GenServerLimits, SamplingParams, generation_backends)
 from realflow.base.fault_injection import fault_point
+from realflow.plugins import load_plugins
 from realflow.rollout.gen_server_state import BadRequest, GenServer, Overloaded
 from realflow.rollout.gen_server_weight_group import weight_group_routes
 from realflow.rollout.request_log import RequestLog
@@ -396,7 +398,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model", required=True, help="HF checkpoint directory")
     ap.add_argument("--backend", default="builtin", help="generation backend name (registry)")
     ap.add_argument("--import", dest="imports", action="append", default=[],
-                    help="module to import first (registers backends); repeatable")
+                    help="module to import first (registers more backends); repeatable")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0 = any free port (printed as READY url)")
     ap.add_argument("--tokenizer", default=None)
@@ -423,8 +425,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         import torch
 
         torch.set_num_threads(a.threads)
-    for mod in a.imports:
-        importlib.import_module(mod)
+    load_plugins(a.imports, kinds=("generation",))
     factory = generation_backends.get(a.backend)
     cfg = BackendConfig(model_path=a.model, tokenizer_path=a.tokenizer,
                         max_running_requests=a.max_running_requests, max_seq_len=a.max_seq_len,

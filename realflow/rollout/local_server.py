@@ -25,7 +25,7 @@ def start_local_gen_server(model_path: str, *extra: str, log_path: Optional[str]
     full_env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "realflow.rollout.gen_server", "--model", model_path, "--backend", "builtin",
-         "--import", "parallel.generation", "--port", "0", "--threads", "1", *extra],
+         "--port", "0", "--threads", "1", *extra],
         stdout=subprocess.PIPE, stderr=log, text=True, env=full_env, cwd=ROOT)
     ready: list[str] = []
 

@@ -59,9 +59,9 @@ class ControllerError(RuntimeError):
 
 
 def _child_init(imports: list[str]) -> None:
-    from realflow.config.cli import import_modules
+    from realflow.plugins import load_plugins
 
-    import_modules(imports)
+    load_plugins(imports)
 
 
 def _score_in_child(reward: str, samples: list[dict], args: dict) -> list[float]:

@@ -1,27 +1,21 @@
-"""Entry point of every realflow process started by a scheduler.
+"""The trainer's processes: what the master and each model worker run once started.
 
-    python -m realflow.system.worker_main --role master|model_worker --index I \
+    python -m realflow.apps.worker --role master|model_worker --index I \
         --experiment NAME [--import MODULE ...] -- key=value ...
 
-Each process rebuilds the experiment from the same command line (nothing is
+(:mod:`realflow.apps.worker` is the one process entry point of every role.) Each process rebuilds the experiment from the same command line (nothing is
 pickled between processes), finds its peers through name resolution, and talks to
 them over authenticated ZMQ sockets (secret from the file named by ``REALFLOW_SECRET_FILE``).
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import threading
 
-import torch
-
-from realflow.config.cli import import_modules, parse_overrides
 from realflow.api.experiment import ExperimentSetup, experiment_registry
 from realflow.base import names
 from realflow.base.logging import get_logger
 from realflow.base.name_resolve import make_name_resolver
-from realflow.comm.auth import secret_from_env
+from realflow.config.cli import parse_overrides
 from realflow.system.plan import compile_plan
 
 logger = get_logger("worker_main")
@@ -111,28 +105,3 @@ def run_model_worker(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     finally:
         beat.stop()
         endpoint.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1 :]
-    p = argparse.ArgumentParser(prog="realflow.system.worker_main")
-    p.add_argument("--role", required=True, choices=["master", "model_worker"])
-    p.add_argument("--index", type=int, default=0)
-    p.add_argument("--experiment", required=True)
-    p.add_argument("--import", dest="imports", action="append", default=[])
-    args = p.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("REALFLOW_NUM_THREADS", "1")))
-    import_modules(args.imports)
-    _, setup = build_setup(args.experiment, overrides)
-    secret = secret_from_env()
-    if args.role == "master":
-        return run_master(setup, secret)
-    return run_model_worker(setup, args.index, secret)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,32 +1,31 @@
-"""Entry point of the rollout side's processes (asynchronous PPO), started by a scheduler.
+"""The rollout side's processes (asynchronous PPO): what each role runs once started.
 
-    python -m realflow.rollout.main --role gen_server|rollout_controller|rollout_worker \
+    python -m realflow.apps.worker --role gen_server|rollout_controller|rollout_worker \
         --index I --experiment NAME [--import MODULE ...] -- key=value ...
 
-Like the trainer's processes (:mod:`realflow.system.worker_main`), each rebuilds the
+(:mod:`realflow.apps.worker` is the one process entry point of every role.) Like the
+trainer's processes (:mod:`realflow.system.roles`), each rebuilds the
 experiment from the same command line, finds its peers through name resolution and
 authenticates with the experiment secret (a 0600 file named by ``REALFLOW_SECRET_FILE``): HTTP services check a
 bearer token derived from it, ZMQ messages are signed with it.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
-import signal
-import sys
 import threading
 from typing import Any, Optional
 
-from realflow.config.cli import import_modules, parse_overrides
 from realflow.api.experiment import ExperimentSetup, experiment_registry
 from realflow.base import names
 from realflow.base.name_resolve import NameNotFound, make_name_resolver
 from realflow.base.network import host_address
-from realflow.comm.auth import http_token, secret_from_env
+from realflow.comm.auth import http_token
+from realflow.config.cli import parse_overrides
+from realflow.plugins import load_plugins
 
-logger = logging.getLogger("realflow.rollout.main")
+logger = logging.getLogger("realflow.rollout.main")  # the name its log lines always had
 
 ROLES = ("gen_server", "rollout_controller", "rollout_worker")
 
@@ -34,7 +33,7 @@ ROLES = ("gen_server", "rollout_controller", "rollout_worker")
 SERVER_REJOIN_WAIT_S = 120.0  # while no server is up, wait this long for the launcher's replacement
 
 
-def _setup(experiment: str, overrides: list[str]) -> ExperimentSetup:
+def rollout_setup(experiment: str, overrides: list[str]) -> ExperimentSetup:
     cfg = parse_overrides(experiment_registry.get(experiment), overrides)
     setup = cfg.setup()
     if setup.rollout is None:
@@ -51,7 +50,7 @@ def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
 
     spec = setup.rollout
     assert spec is not None
-    import_modules(spec.backend_imports)
+    load_plugins(spec.backend_imports, kinds=("generation",))
     # on one GPU host the model workers take GPUs 0..n_workers-1, the servers the ones after
     # (LOCAL_RANK / SLURM_LOCALID, where a scheduler sets them, win)
     select_device(setup.n_workers + index)
@@ -187,34 +186,3 @@ def run_rollout_worker(setup: ExperimentSetup, index: int, secret: bytes, import
     finally:
         beat.stop()
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="realflow.rollout.main")
-    p.add_argument("--role", required=True, choices=ROLES)
-    p.add_argument("--index", type=int, default=0)
-    p.add_argument("--experiment", required=True)
-    p.add_argument("--import", dest="imports", action="append", default=[])
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role}/{args.index} %(levelname)s %(message)s")
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("REALFLOW_NUM_THREADS", "1")))
-    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))  # a clean exit: finally blocks release resources
-    import_modules(args.imports)
-    setup = _setup(args.experiment, overrides)
-    secret = secret_from_env()
-    if args.role == "gen_server":
-        return run_gen_server(setup, args.index, secret)
-    if args.role == "rollout_controller":
-        return run_controller(setup, secret)
-    return run_rollout_worker(setup, args.index, secret, args.imports)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

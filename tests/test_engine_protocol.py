@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import importlib
 import os
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 

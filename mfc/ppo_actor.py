@@ -1,8 +1,9 @@
 """The PPO actor: generate (with behaviour logprobs), recompute logprobs, clipped-PPO train step.
 
-``generate`` runs realflow's generation engine on the weights of the MFC's layout (the
-engine shares the megatron parameters, so a reallocation into this layout is seen
-without copying). ``train_step`` computes advantages (:mod:`mfc.rl_batch`), then runs
+``generate`` samples with the engine's own generator (``model.module.generator``, see
+:class:`realflow.api.engine.TrainEngine`) on the weights of the MFC's layout (the built-in
+engine shares the parameters, so a reallocation into this layout is seen without
+copying). ``train_step`` computes advantages (:mod:`mfc.rl_batch`), then runs
 ``ppo_epochs`` x ``n_minibatches`` optimizer steps of the clipped (optionally dual-clip
 or decoupled) objective. ``evaluate`` scores greedy and sampled responses to held-out prompts
 (final-answer exact match, or the registered reward ``eval_reward``, e.g. ``code-tests``).
@@ -25,39 +26,6 @@ from realflow.api.generation import SamplingParams
 from realflow.api.interface import Model, ModelInterface, register_interface
 
 PROX_LOGPROBS = "proximal_logprobs"
-
-
-#: the KV cache of a generator inside a model worker stays allocated between steps, beside the
-#: trainer's state and activations: it may take at most this fraction of the free memory when built
-COLOCATED_KV_MEMORY_FRACTION = 0.5
-
-
-def generator_for(model: Model, context: int, max_running: int = 256) -> Any:
-    """The generation engine over ``model``'s parameters (built once per engine, then reused).
-
-    ``context``: the longest prompt + new tokens the caller needs. The KV cache is sized for it
-    (the next power of two, at most the model's context), not for the model's whole context
-    (32k tokens for a 7B Qwen2.5: ~1.9 GB per slot), and rebuilt when a later call needs more.
-    """
-    from parallel.generation import EngineConfig, GenerationEngine
-
-    eng = model.module
-    gen = getattr(eng, "_realflow_generator", None)
-    if gen is not None and gen.max_context < min(context, gen.model_context):
-        eng._realflow_generator = gen = None  # free the old cache before the larger one is made
-    if gen is None:
-        if eng.groups.strategy.pp > 1:
-            raise ValueError(f"generation needs a layout with pp=1, got {eng.groups.strategy}; give the "
-                             f"generate MFC its own allocation (e.g. actor_gen:d2)")
-        size = 1 << max(int(context) - 1, 1).bit_length()
-        gen = GenerationEngine.from_megatron(
-            eng, EngineConfig(max_running_requests=max_running, max_seq_len=size,
-                              kv_cache_memory_fraction=COLOCATED_KV_MEMORY_FRACTION),
-            tokenizer=model.tokenizer)
-        eng._realflow_generator = gen
-    if gen.weight_version != model.version:  # weights moved in place since the last call
-        gen.weights_updated(model.version)
-    return gen
 
 
 @register_interface("ppo_actor")
@@ -117,7 +85,8 @@ class PPOActorInterface(ModelInterface):
     def generate(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> SequenceBatch:
         tok = model.tokenizer
         prompts = [batch.sequences("packed_prompts", i)[0].tolist() for i in range(len(batch))]
-        gen = generator_for(model, max(map(len, prompts), default=1) + self.max_new_tokens)
+        gen = model.module.generator(max(map(len, prompts), default=1) + self.max_new_tokens,
+                                     version=model.version, tokenizer=tok)
         # seeds: reproducible per (run seed, weight version, sample)
         params = [self._sampling(tok, self.n_samples, zlib.crc32(f"{self.seed}/{model.version}/{sid}".encode()))
                   for sid in batch.ids]
@@ -251,9 +220,9 @@ class PPOActorInterface(ModelInterface):
         prompts = [batch.sequences("packed_prompts", i)[0].tolist() for i in range(len(batch))]
         tok = model.tokenizer
         sampled = None
-        if eng.groups.strategy.pp == 1 and not getattr(eng, "critic", False):
-            gen = generator_for(model, max(map(len, prompts), default=1)
-                                + max(self.eval_max_new_tokens, self.max_new_tokens))
+        if eng.strategy.pp == 1 and not eng.is_critic:
+            context = max(map(len, prompts), default=1) + max(self.eval_max_new_tokens, self.max_new_tokens)
+            gen = eng.generator(context, version=model.version, tokenizer=tok)
             # greedy: no truncation, but a response ends where a training one would
             res = gen.generate(prompts, SamplingParams(max_new_tokens=self.eval_max_new_tokens, temperature=0.0,
                                                        stop=list(self.stop), stop_token_ids=self._stop_ids(tok)))

@@ -21,6 +21,7 @@ from mfc.kl import KLControlConfig, kl_estimate, make_kl_controller, shape_rewar
 from mfc.normalization import NormConfig, normalize
 from mfc.ppo_functional import ppo_minibatches
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
+from realflow.api.engine import LossFn, TrainEngine
 
 INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS = "packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask"
 REWARDS, REF_LOGPROBS, VALUES = "rewards", "packed_ref_logprobs", "values"
@@ -246,10 +247,10 @@ class PPOUpdates:
     first: dict[str, float]
 
 
-def run_ppo_updates(engine: Any, batch: SequenceBatch, t: RLTensors, mb_spec: MicroBatchSpec, *, epochs: int,
+def run_ppo_updates(engine: TrainEngine, batch: SequenceBatch, t: RLTensors, mb_spec: MicroBatchSpec, *, epochs: int,
                     n_minibatches: int, seed: int, step: int,
                     micro_batch: Callable[[SequenceBatch, list[int]], dict],
-                    loss_fn: Callable, weight_fn: Callable,
+                    loss_fn: LossFn, weight_fn: Callable[[Any], float],
                     extra_keys: Optional[dict[str, torch.Tensor]] = None) -> PPOUpdates:
     """``epochs`` x ``n_minibatches`` optimizer steps over ``batch`` with its training tensors ``t``.
 

@@ -10,6 +10,7 @@ import torch
 from mfc.packed import next_token_targets
 from mfc.reward import held_out_scores
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
+from realflow.api.engine import TokenOutputs
 from realflow.api.interface import Model, ModelInterface, register_interface
 
 
@@ -47,7 +48,7 @@ class SFTInterface(ModelInterface):
         stats["seq_len_max"] = longest
         return stats
 
-    def loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, outputs: TokenOutputs, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch's loss SUM and stats (a method, so a subclass can shape it)."""
         return _nll_loss(outputs, extra)
 
@@ -72,7 +73,7 @@ class SFTInterface(ModelInterface):
         model.module.save_hf(path, tokenizer_dir=getattr(model.tokenizer, "name_or_path", None))
 
 
-def _nll_loss(out: Any, extra: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
+def _nll_loss(out: TokenOutputs, extra: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
     """``out`` is the engine's per-token view (parallel.outputs.TokenOutputs): log-probs
     and argmax are computed on the vocab shards, so this works in any (tp, pp) layout."""
     mask = extra["mask"]

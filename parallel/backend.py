@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.backend import LayoutError, register_backend
+from realflow.api.engine import TrainEngine
 from realflow.api.layout import Layout
 from realflow.base.devices import resolve_precision
 
@@ -36,7 +37,7 @@ class MegatronBackend:
         return build_model_groups(ranks, strategy)
 
     def build_engine(self, spec: Any, groups: ModelGroups, seed: int, *,
-                     load_weights: bool = True) -> MegatronEngine:
+                     load_weights: bool = True) -> TrainEngine:
         """The engine of ``spec`` on ``groups``; ``load_weights=False`` for layouts whose weights
         arrive by reallocation (random init, no checkpoint read)."""
         unknown = sorted(set(spec.backend_args) - set(_BACKEND_ARGS))
@@ -76,39 +77,40 @@ class MegatronBackend:
             dst_hf_config=AutoConfig.from_pretrained(dst_spec.path), hosts=self._hosts)
         return plan, prepare_reallocation(plan)
 
-    def reallocate(self, handle: Any, src: Optional[MegatronEngine], dst: Optional[MegatronEngine],
+    def reallocate(self, handle: Any, src: Optional[TrainEngine], dst: Optional[TrainEngine],
                    eta: float) -> dict[str, float]:
         """Collective over both layouts' workers: ``dst = eta*src + (1-eta)*dst`` (exact copy at 1)."""
         from parallel.realloc import reallocate
 
         plan, res = handle
-        return reallocate(plan, res, src.module if src is not None else None,
-                          dst.module if dst is not None else None, eta=eta)
+        return reallocate(plan, res, _megatron(src).module if src is not None else None,
+                          _megatron(dst).module if dst is not None else None, eta=eta)
 
-    def offload(self, engine: MegatronEngine) -> None:
-        """Release the engine's parameter storage (kept in a compact host buffer)."""
+    def offload(self, engine: TrainEngine) -> None:
+        """Release the engine's parameter storage (kept in a compact host buffer, on the module)."""
         from parallel.realloc import offload
 
-        engine._realflow_offload = offload(engine.module)
+        offload(_megatron(engine).module)
 
-    def reload(self, engine: MegatronEngine) -> None:
+    def reload(self, engine: TrainEngine) -> None:
+        """Give the parameters their storage back, bit-identical."""
         from parallel.realloc import reload
 
-        reload(engine.module, getattr(engine, "_realflow_offload", None))
-        engine._realflow_offload = None
+        reload(_megatron(engine).module)
 
     # ---- recover points ---------------------------------------------------------------------------
 
-    def local_state(self, engine: MegatronEngine) -> dict[str, Any]:
+    def local_state(self, engine: TrainEngine) -> dict[str, Any]:
         """This rank's exact training state of ``engine`` (see :mod:`parallel.engine_state`)."""
         from parallel.engine_state import engine_local_state
 
-        return engine_local_state(engine)
+        return engine_local_state(_megatron(engine))
 
-    def load_local_state(self, engine: MegatronEngine, state: dict[str, Any]) -> None:
+    def load_local_state(self, engine: TrainEngine, state: dict[str, Any]) -> None:
+        """Restore what :meth:`local_state` returned on the same rank of the same layout."""
         from parallel.engine_state import load_engine_local_state
 
-        load_engine_local_state(engine, state)
+        load_engine_local_state(_megatron(engine), state)
 
     # ---- plan-time checks (realflow.api.backend.ModelBackend, optional methods) ----------------
 
@@ -180,6 +182,13 @@ class MegatronBackend:
             raise LayoutError(f"models {source.role!r} ({source.path}) and {target.role!r} ({target.path}) "
                               f"differ in architecture: {'; '.join(diff)}")
         return None
+
+
+def _megatron(engine: TrainEngine) -> MegatronEngine:
+    """``engine`` as the MegatronEngine this backend built (its hooks work on megatron modules)."""
+    if not isinstance(engine, MegatronEngine):
+        raise TypeError(f"the megatron backend was handed a {type(engine).__name__}, not a MegatronEngine")
+    return engine
 
 
 _ARCH_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

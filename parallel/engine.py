@@ -13,11 +13,16 @@ data-parallel head of each dp replica, ``Layout.dp_head`` in the plan):
   the data layer holds host tensors);
 * ``train_batch`` returns the same stats dict on every rank of the model;
 * ``greedy_generate`` returns the new tokens on every rank of the replica;
+* ``generator`` returns the engine's own sampler (:mod:`parallel.engine_generator`), which
+  shares these parameters;
 * ``save_hf`` / ``full_hf_state`` gather to one writer (dp 0, tp 0, pp 0).
 
 Every method is collective over the ranks of one dp replica (``forward``,
 ``logprobs``, ``values``, ``greedy_generate``) or of the whole model (the rest),
 and all tp and pp ranks of a replica pass the same inputs.
+
+The class implements :class:`realflow.api.engine.TrainEngine` (what algorithms may call)
+and :class:`realflow.api.engine.NonFiniteConfigurable`.
 
 Loss normalisation: the caller's ``loss_fn`` returns a SUM over tokens and
 ``loss_weight_fn`` the weight of a micro-batch (e.g. its number of loss tokens).
@@ -37,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.cpu_compat import apply_cpu_compat
+from parallel.engine_generator import build_colocated_generator
 from parallel.groups import ModelGroups
 from parallel.hf_io import CheckpointError, gather_hf_state, save_hf_checkpoint
 from parallel.hf_layout import execute_hf_load, gather_hf_state_any, plan_hf_load
@@ -60,13 +66,13 @@ from parallel.pipeline import (
     split_packed,
 )
 from parallel.packing import check_packed
+from realflow.api.allocation import ParallelStrategy
+from realflow.api.engine import BatchGenerator, LossFn, MicroBatches
 from realflow.api.padded_partition import padded_partition
 from realflow.base.devices import to_device, to_host
 
 __all__ = ["MegatronEngine", "EngineOptimizerConfig", "TokenOutputs", "LossFn"]
 
-# loss_fn(outputs of one micro-batch's real tokens, the micro-batch's extra) -> (loss SUM, stats)
-LossFn = Callable[[TokenOutputs, Any], tuple[torch.Tensor, dict[str, float]]]
 _RESERVED = ("loss", "grad_norm", "lr", "n_tokens", "loss_weight", "n_mbs", "update_successful", "nonfinite_skipped")
 
 
@@ -122,6 +128,7 @@ class MegatronEngine:
         if optimizer_config is not None:
             self._setup_training(optimizer_config)
         self._runner = ScheduleRunner(groups, self.config)
+        self._generator: Optional[Any] = None  # parallel.generation.GenerationEngine, built by generator()
 
     # ------------------------------------------------------------------ setup
 
@@ -169,6 +176,16 @@ class MegatronEngine:
             self.config.grad_scale_func = self.optimizer.scale_loss
 
     # ------------------------------------------------------------------ helpers
+
+    @property
+    def strategy(self) -> ParallelStrategy:
+        """The layout this engine runs in (data, tensor and pipeline parallel degrees)."""
+        return self.groups.strategy
+
+    @property
+    def is_critic(self) -> bool:
+        """True for a value model (built with ``critic=True``)."""
+        return bool(self.critic)
 
     @property
     def is_output_rank(self) -> bool:
@@ -331,9 +348,28 @@ class MegatronEngine:
             active = still
         return new
 
+    def generator(self, context: int, *, version: int, tokenizer: Any = None,
+                  max_running: int = 256) -> BatchGenerator:
+        """The generation engine over this engine's parameters (built once, then reused; pp = 1, LM only).
+
+        ``context``: the longest prompt + new tokens the caller needs; a later call that needs
+        more frees the old KV cache and builds a larger one. ``version``: the model's weight
+        version; when it differs from the generator's, the weights moved in place since the
+        last call (an optimizer step, a reallocation) and the generator refreshes what it
+        derives from them. ``tokenizer`` (for stop strings) is taken when the generator is built.
+        """
+        gen = self._generator
+        if gen is not None and gen.max_context < min(context, gen.model_context):
+            self._generator = gen = None  # free the old cache before the larger one is made
+        if gen is None:
+            gen = self._generator = build_colocated_generator(self, context, tokenizer, max_running)
+        if gen.weight_version != version:
+            gen.weights_updated(version)
+        return gen
+
     # ------------------------------------------------------------------ training
 
-    def train_batch(self, micro_batches: list[tuple[torch.Tensor, list[int], Any]],
+    def train_batch(self, micro_batches: MicroBatches,
                     loss_fn: LossFn, loss_weight_fn: Callable[[Any], float],
                     sample_ids: Optional[list[Sequence[Any]]] = None) -> dict[str, float]:
         """One optimizer step over this dp replica's micro-batches (see module docstring).

@@ -4,6 +4,11 @@ The runtime (``realflow/system``) must not import ``parallel/`` (dependencies po
 one way), so a backend registers itself here and the worker looks it up by the name
 in :class:`~realflow.api.experiment.ModelSpec`. ``parallel/`` registers "megatron".
 
+What an engine must offer the algorithms is :class:`realflow.api.engine.TrainEngine`;
+what a backend can do besides building engines is named by the capability protocols
+below (:class:`Reallocatable`, :class:`Offloadable`, :class:`LocalStateful`), which the
+runtime checks with ``isinstance``.
+
 Two methods are optional (the plan compiler calls them when present): model-aware
 checks of a layout and of a reallocation pair. They exist so that a layout that
 cannot work (tp not dividing the heads, pp above the layer count, a shard that
@@ -12,10 +17,12 @@ the MFC and the numbers, instead of minutes later deep inside megatron.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, runtime_checkable
 
 from realflow.api.allocation import ParallelStrategy
+from realflow.api.engine import TrainEngine
 from realflow.api.experiment import ModelSpec
+from realflow.api.layout import Layout
 from realflow.api.registry import Registry
 
 
@@ -39,8 +46,12 @@ class ModelBackend(Protocol):
         every layout of the plan, in the same order, whether or not it is a member.
         """
 
-    def build_engine(self, spec: ModelSpec, groups: Any, seed: int) -> Any:
-        """Build the engine of ``spec`` on the members of ``groups`` (collective among them)."""
+    def build_engine(self, spec: ModelSpec, groups: Any, seed: int, *, load_weights: bool = True) -> TrainEngine:
+        """Build the engine of ``spec`` on the members of ``groups`` (collective among them).
+
+        ``load_weights=False``: a layout whose weights arrive by reallocation (no checkpoint read).
+        The worker checks the result with :func:`realflow.api.engine.check_engine`.
+        """
 
     # ---- optional: model-aware plan checks (looked up with getattr) -----------------------------
 
@@ -61,6 +72,50 @@ class ModelBackend(Protocol):
 
         Returns a note when it could not check (e.g. a checkpoint is not written yet), else None.
         """
+
+
+# ---- capabilities of a backend (the runtime asks isinstance(backend, X)) -------------------------
+
+
+@runtime_checkable
+class Reallocatable(Protocol):
+    """A backend that copies parameters between two layouts of a model (the plan's ParamRealloc hooks)."""
+
+    def prepare_realloc(self, src_spec: ModelSpec, src_layout: Layout, src_groups: Any,
+                        dst_spec: ModelSpec, dst_layout: Layout, dst_groups: Any) -> Any:
+        """Plan and resources of one (source layout, destination layout) pair; collective over the world."""
+        ...
+
+    def reallocate(self, handle: Any, src: Optional[TrainEngine], dst: Optional[TrainEngine],
+                   eta: float) -> Any:
+        """``dst = eta*src + (1-eta)*dst`` over both layouts' workers (None where this worker holds no side)."""
+        ...
+
+
+@runtime_checkable
+class Offloadable(Protocol):
+    """A backend that can release an engine's parameter storage while unused and restore it bit-exactly."""
+
+    def offload(self, engine: TrainEngine) -> None:
+        """Move ``engine``'s parameters out of device memory (kept on the host)."""
+        ...
+
+    def reload(self, engine: TrainEngine) -> None:
+        """Give back what :meth:`offload` took, bit-identical."""
+        ...
+
+
+@runtime_checkable
+class LocalStateful(Protocol):
+    """A backend that saves and restores this rank's exact training state of an engine (recover points)."""
+
+    def local_state(self, engine: TrainEngine) -> dict[str, Any]:
+        """This rank's parameters, optimizer shard, schedule position and weight version (CPU copies)."""
+        ...
+
+    def load_local_state(self, engine: TrainEngine, state: dict[str, Any]) -> None:
+        """Restore what :meth:`local_state` returned on the same rank of the same layout."""
+        ...
 
 
 model_backends: Registry = Registry("model backend")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
+from realflow.api.engine import TrainEngine
 from realflow.api.mfc import ModelInterfaceType
 from realflow.api.registry import Registry, RegistryError, did_you_mean
 
@@ -32,13 +33,15 @@ class InterfaceError(ValueError):
 class Model:
     """What an interface operates on: one role's shard on this worker.
 
-    ``module`` is whatever the parallel layer provides (a train engine, a
-    generation engine, an ``nn.Module``); ``version`` counts the train steps
-    applied so far (the weight version used for staleness control).
+    ``module`` is the role's engine in this layout: everything an interface may call on it
+    is declared by :class:`realflow.api.engine.TrainEngine` (the worker checks it when the
+    engine is built). A role without a model (backend ``"none"``, e.g. a rule-based reward)
+    gets ``None``. ``version`` counts the train steps applied so far (the weight version
+    used for staleness control, and what the engine's generator is told when it changes).
     """
 
     name: str
-    module: Any
+    module: TrainEngine
     tokenizer: Any = None
     version: int = 0
 

@@ -15,7 +15,13 @@ order, so the collectives line up without any extra coordination.
 layout (it holds the optimizer's master weights anyway), so moving the weights back
 would rewrite identical values. The hook therefore *releases* the MFC-layout copy
 (frees its parameter storage) instead of copying; the next "to MFC layout" hook
-refills it. A backend without ``offload`` support keeps the copy.
+refills it. A backend that is not :class:`~realflow.api.backend.Offloadable` keeps the copy.
+
+What the runtime may do with a backend or an engine beyond building it is asked with
+``isinstance`` against the capability protocols of :mod:`realflow.api.backend` and
+:mod:`realflow.api.engine`; every engine a backend builds is checked against
+:class:`~realflow.api.engine.TrainEngine` right away, so a user's backend learns which
+members its engine lacks when the worker starts.
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ import dataclasses
 import time
 from typing import Any
 
-from realflow.api.backend import model_backends
+from realflow.api.backend import LocalStateful, ModelBackend, Offloadable, Reallocatable, model_backends
+from realflow.api.engine import NonFiniteConfigurable, check_engine
 from realflow.api.experiment import ExperimentSetup
 from realflow.api.interface import Model
 from realflow.api.layout import Layout
@@ -47,9 +54,9 @@ class ModelStore:
         self._groups: dict[tuple[str, Layout], Any] = {}
         self._realloc: dict[tuple[str, Layout, str, Layout], Any] = {}
         self._offloaded: set[tuple[str, Layout]] = set()
-        self._backends: dict[str, Any] = {}
+        self._backends: dict[str, ModelBackend] = {}
 
-    def backend(self, role: str) -> Any:
+    def backend(self, role: str) -> ModelBackend:
         """The role's model backend (one instance per backend name: it may cache per-process state)."""
         name = self.setup.models[role].backend
         if name not in self._backends:
@@ -78,7 +85,9 @@ class ModelStore:
             else:
                 engine = backend.build_engine(spec, self._groups[(role, layout)], self.setup.seed,
                                               load_weights=False)
-            if home and spec.optimizer is not None and hasattr(engine, "configure_nonfinite"):
+            if engine is not None:
+                check_engine(engine, f"model backend '{spec.backend}' of role '{role}' (build_engine)")
+            if home and spec.optimizer is not None and isinstance(engine, NonFiniteConfigurable):
                 engine.configure_nonfinite(self.setup.on_nonfinite, self.setup.max_nonfinite_skips)
             tok = load_tokenizer(spec.tokenizer_path or spec.path)
             self.models[(role, layout)] = Model(name=role, module=engine, tokenizer=tok)
@@ -88,7 +97,7 @@ class ModelStore:
             if (pair.src_role, pair.src, pair.dst_role, pair.dst) not in used:
                 continue
             backend = self.backend(pair.dst_role)
-            if not hasattr(backend, "prepare_realloc"):
+            if not isinstance(backend, Reallocatable):
                 raise HookError(f"model backend '{self.setup.models[pair.dst_role].backend}' of role "
                                 f"'{pair.dst_role}' cannot reallocate parameters (needed for {pair})")
             self._realloc[(pair.src_role, pair.src, pair.dst_role, pair.dst)] = backend.prepare_realloc(
@@ -144,29 +153,35 @@ class ModelStore:
         for role, layout, m in ((h.src_role, h.src, src), (h.dst_role, h.dst, dst)):
             if m is not None and (role, layout) in self._offloaded:
                 self._reload(role, layout)
-        self.backend(h.dst_role).reallocate(handle, src.module if src else None, dst.module if dst else None,
-                                            h.eta)
+        backend = self.backend(h.dst_role)
+        if not isinstance(backend, Reallocatable):  # build() prepared the handle: cannot happen
+            raise HookError(f"model backend of role '{h.dst_role}' cannot reallocate parameters ({h})")
+        backend.reallocate(handle, src.module if src else None, dst.module if dst else None, h.eta)
         if dst is not None and h.src_role == h.dst_role:
             dst.version = src_version
 
     def _release(self, role: str, layout: Layout) -> None:
-        if self.index in layout.workers and hasattr(self.backend(role), "offload"):
+        if self.index in layout.workers and isinstance(self.backend(role), Offloadable):
             self._offload(role, layout)
 
     def _offload(self, role: str, layout: Layout) -> None:
         m = self.models.get((role, layout))
         if m is None or m.module is None or (role, layout) in self._offloaded:
             return  # not here, no model (rule-based role), or already offloaded
-        if not hasattr(self.backend(role), "offload"):
+        backend = self.backend(role)
+        if not isinstance(backend, Offloadable):
             return  # the backend keeps its models resident
-        self.backend(role).offload(m.module)
+        backend.offload(m.module)
         self._offloaded.add((role, layout))
 
     def _reload(self, role: str, layout: Layout) -> None:
         m = self.models.get((role, layout))
         if m is None or (role, layout) not in self._offloaded:
             return
-        self.backend(role).reload(m.module)
+        backend = self.backend(role)
+        if not isinstance(backend, Offloadable):  # only an Offloadable backend's engines are offloaded
+            raise HookError(f"model backend of role '{role}' cannot reload parameters")
+        backend.reload(m.module)
         self._offloaded.discard((role, layout))
 
     def ensure_resident(self, role: str, layout: Layout) -> None:
@@ -183,7 +198,7 @@ class ModelStore:
             entry: dict[str, Any] = {"version": int(m.version)}
             if m.module is not None and layout == self.plan.role_home[role]:
                 backend = self.backend(role)
-                if not hasattr(backend, "local_state"):
+                if not isinstance(backend, LocalStateful):
                     raise HookError(f"model backend '{self.setup.models[role].backend}' of role '{role}' cannot "
                                     "write recover points; set recover_mode=off")
                 self.ensure_resident(role, layout)
@@ -200,6 +215,10 @@ class ModelStore:
             role, layout, m = here[key]
             if "engine" in entry:
                 self.ensure_resident(role, layout)
-                self.backend(role).load_local_state(m.module, entry["engine"])
+                backend = self.backend(role)
+                if not isinstance(backend, LocalStateful):
+                    raise HookError(f"model backend '{self.setup.models[role].backend}' of role '{role}' cannot "
+                                    "restore recover points")
+                backend.load_local_state(m.module, entry["engine"])
             m.version = int(entry["version"])
 

@@ -12,7 +12,7 @@ import os
 from typing import Any, Optional
 
 from realflow.api.allocation import ParallelStrategy
-from realflow.api.backend import LayoutError, register_backend
+from realflow.api.backend import LayoutError, engine_cost_meters, register_backend
 from realflow.api.engine import TrainEngine
 from realflow.api.layout import Layout
 from realflow.base.devices import resolve_precision
@@ -305,3 +305,11 @@ def _memory_per_worker(n_workers_per_host: int) -> tuple[int, str]:
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+@engine_cost_meters.register("megatron")
+def measure_megatron_costs(world: int, quick: bool) -> dict[str, Any]:
+    """megatron-core's own costs on this machine (:mod:`parallel.overheads`), for ``realflow calibrate``."""
+    from parallel.overheads import measure_engine_overheads
+
+    return measure_engine_overheads(world=world, quick=quick)

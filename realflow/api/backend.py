@@ -120,6 +120,11 @@ class LocalStateful(Protocol):
 
 model_backends: Registry = Registry("model backend")
 
+#: backend name -> ``measure(world: int, quick: bool) -> dict`` of the planner's framework costs
+#: (the DeviceProfile fields a train backend's own overheads fill; ``realflow calibrate`` calls it).
+#: Why a registry: the planner must not import a model package by name.
+engine_cost_meters: Registry = Registry("engine cost meter")
+
 
 def register_backend(name: str):
     """Class decorator: ``@register_backend("megatron") class MegatronBackend: ...``."""

@@ -60,6 +60,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of one CPU worker process (default: 1)")
     p.add_argument("--world", type=int, default=2,
                    help="local processes the links are measured between (default: 2; on GPUs at most one per GPU)")
+    p.add_argument("--backend", default="megatron",
+                   help="train backend whose framework costs are measured (default: megatron)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and sizes: about a minute instead of several")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.threads < 1 or args.world < 1:
@@ -72,10 +74,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CalibrationError as e:
         print(f"error: calibration failed: {e}", file=sys.stderr)
         return 2
-    try:  # the training framework's own fixed costs (an app may import the model package)
-        from parallel.overheads import measure_engine_overheads
+    try:  # the train backend's own fixed costs, measured by the backend's plugin
+        from realflow.api.backend import engine_cost_meters
+        from realflow.plugins import load_plugins
 
-        prof = dataclasses.replace(prof, **measure_engine_overheads(world=max(args.world, 1), quick=args.quick))
+        load_plugins()
+        measure = engine_cost_meters.get(args.backend)
+        prof = dataclasses.replace(prof, **measure(world=max(args.world, 1), quick=args.quick))
     except Exception as e:  # noqa: BLE001 - the primitive profile is still usable
         print(f"warning: framework overheads not measured ({type(e).__name__}: {e}); the planner will count "
               f"primitive ops instead", file=sys.stderr)

@@ -5,10 +5,17 @@ with different values (docs/algorithms.md gives each formula). A preset sets eve
 defines its algorithm -- also the ones it leaves at their neutral value, so switching presets
 never inherits another's settings -- and nothing else: each key stays overridable by a later
 ``key=value``, and ``--help`` lists what each preset sets.
+
+A preset names fields of :class:`experiments.ppo_hyper.PPOHyperConfig` (the knobs of
+:class:`mfc.ppo_config.PPOConfig`, and ``dynamic_sampling``) and is checked against it when this
+module is imported (:func:`check_presets`): a misspelt key or a bad value fails at import, naming
+the preset, not when a user picks it.
 """
 from __future__ import annotations
 
 from typing import Any
+
+from realflow.config.cli import ConfigError, parse_overrides
 
 # the neutral value of every key an algorithm may set
 _BASE: dict[str, Any] = {
@@ -16,7 +23,8 @@ _BASE: dict[str, Any] = {
     "adv_norm.mean_leave1out": "false", "adv_norm.std_unbiased": "true", "adv_norm.eps": "1e-5",
     "eps_clip": "0.2", "eps_clip_high": "none", "dual_clip": "none", "policy_loss": "clip",
     "importance_sampling_level": "token", "loss_agg": "token-mean", "loss_agg_norm_len": "none",
-    "mask_truncated": "false", "overlong_buffer_ratio": "0", "kl_in": "reward", "dynamic_sampling": "false",
+    "adv_norm.std_of": "centred", "mask_truncated": "false", "overlong_buffer_ratio": "0", "kl_in": "reward",
+    "dynamic_sampling": "false",
 }
 
 
@@ -24,7 +32,7 @@ def _norm(prefix: str, mean: str, std: str, leave1out: bool = False, unbiased: b
           eps: str = "1e-6") -> dict[str, str]:
     return {f"{prefix}.mean_level": mean, f"{prefix}.std_level": std,
             f"{prefix}.mean_leave1out": str(leave1out).lower(), f"{prefix}.std_unbiased": str(unbiased).lower(),
-            f"{prefix}.eps": eps}
+            f"{prefix}.eps": eps, f"{prefix}.std_of": "centred"}
 
 
 _GROUP_Z = _norm("reward_norm", "group", "group")  # GRPO's group-normalised reward
@@ -37,7 +45,8 @@ ALGORITHMS: dict[str, dict[str, Any]] = {
     "grpo": {**_GROUP_Z, "loss_agg": "seq-mean-token-mean"},
     # Dr. GRPO (Liu et al. 2025): no std scaling, a constant length normaliser
     "dr_grpo": {**_norm("reward_norm", "group", "none"), "loss_agg": "seq-mean-token-sum-norm"},
-    # LitePPO (Liu et al. 2025, "Tricks or Traps"): group mean, batch std, token-level loss
+    # LitePPO (Liu et al. 2025, "Tricks or Traps"): group mean, batch std (of the group-centred rewards, as
+    # AReaL and ROLL), token-level loss
     "lite_ppo": {**_norm("reward_norm", "group", "batch")},
     # RLOO (Ahmadian et al. 2024): r_i - mean of the other responses to the same prompt
     "rloo": {"estimator": "rloo", **_norm("reward_norm", "group", "none", leave1out=True)},
@@ -63,5 +72,25 @@ def preset_overrides(name: str, prefix: str = "ppo.") -> list[str]:
 
 
 def presets(prefix: str = "ppo.") -> dict[str, dict[str, list[str]]]:
-    """The ``PRESETS`` table of an RL experiment config (``realflow.api.config.expand_presets``)."""
+    """The ``PRESETS`` table of an RL experiment config (``realflow.config.cli.expand_presets``)."""
     return {"algorithm": {name: preset_overrides(name, prefix) for name in ALGORITHMS}}
+
+
+def check_presets(table: dict[str, dict[str, Any]] | None = None) -> None:
+    """Build :class:`~experiments.ppo_hyper.PPOHyperConfig` from every preset's items: a key that is
+    not a field, or a value its field rejects, raises :class:`ConfigError` naming the preset."""
+    from experiments.ppo_hyper import PPOHyperConfig
+
+    table = ALGORITHMS if table is None else table
+    for name, keys in table.items():
+        items = dict(_BASE)
+        if any(k.startswith("reward_norm.") for k in keys):
+            items.pop("reward_norm")
+        items.update(keys)
+        try:
+            parse_overrides(PPOHyperConfig, [f"{k}={v}" for k, v in items.items()])
+        except (ConfigError, ValueError) as e:
+            raise ConfigError(f"algorithm preset {name!r}: {e}") from None
+
+
+check_presets()

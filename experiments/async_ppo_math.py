@@ -125,7 +125,7 @@ class _AsyncBase(_RLBase):
             batch_size=self.batch_size, use_ref=h.kl_coef > 0,
             inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
-            actor_args={**h.actor_args(), "seed": self.seed, "behav_imp_weight_cap": self.behav_imp_weight_cap})
+            actor_args={**h.actor_args(), "seed": self.seed})
         mfcs = graph_registry.get("async_ppo")(gcfg)
         planned = self.planned_actor_config()
         models = {ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
@@ -187,8 +187,6 @@ class AsyncGRPOMathConfig(_AsyncBase):
     rollout: AsyncRolloutConfig = field(default_factory=AsyncRolloutConfig)
     actor_optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
         lr=2e-5, weight_decay=0.0, warmup_steps_proportion=0.0, lr_scheduler_type="constant"))
-    behav_imp_weight_cap: Optional[float] = field(default=5.0, metadata={
-        "help": "decoupled PPO: cap on pi_prox / pi_behav per token (None = no cap)"})
     reward: str = field(default="arithmetic", metadata={"help": "reward function (reward registry)"})
     reward_args: dict[str, Any] = field(default_factory=dict, metadata={"help": REWARD_ARGS_HELP})
     eval_reward: str = field(default="", metadata={"help": EVAL_REWARD_HELP})

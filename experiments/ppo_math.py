@@ -173,7 +173,6 @@ class _RLBase(BaseExperimentConfig):
         actor, tok, train, test = self._paths()
         planned = self.planned_actor_config()
         h = self.ppo
-        adv = h.advantage_args()
         use_critic = self._graph == "ppo"
         if h.estimator == "gae" and not use_critic:
             raise ValueError(f"ppo.estimator=gae needs a critic, and experiment={self._name} has none "
@@ -184,8 +183,7 @@ class _RLBase(BaseExperimentConfig):
             gen_mb=MicroBatchSpec(), inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             actor_args={**h.actor_args(), "seed": self.seed},
-            critic_args={"ppo_epochs": h.ppo_epochs, "n_minibatches": h.n_minibatches,
-                         "value_eps_clip": h.value_eps_clip, "seed": self.seed, "adv": adv},
+            critic_args={**h.critic_args(), "seed": self.seed},
             reward_args={"reward": self.reward, "reward_args": dict(self.reward_args)},
         )
         mfcs = graph_registry.get(self._graph)(gcfg)

@@ -19,12 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphs.ppo import ACTOR, INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REF, REF_LOGPROBS, REWARDS
+from graphs.ppo import ACTOR, REF
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import register_graph
+from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROX_LOGPROBS, REF_LOGPROBS, REWARDS
 from realflow.api.mfc import MFCDef, ModelInterfaceType
-
-PROX_LOGPROBS = "proximal_logprobs"
 
 
 @dataclass

@@ -15,8 +15,8 @@
 reference model.
 
 The graph only names interfaces ("ppo_actor", "ppo_critic", "ppo_ref",
-"rule_reward"); their implementations register themselves from ``mfc/``. Keys are
-module constants so that interfaces and tests agree on them.
+"rule_reward"); their implementations register themselves from ``mfc/``. Keys come
+from :mod:`realflow.api.keys`, so that interfaces, the runtime and tests agree on them.
 """
 from __future__ import annotations
 
@@ -25,17 +25,10 @@ from typing import Any
 
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import register_graph
+from realflow.api.keys import (ANSWER, INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROMPTS, REF_LOGPROBS,  # noqa: F401
+                               REWARDS, VALUES)
 from realflow.api.mfc import MFCDef, ModelInterfaceType, ParamReallocHook
 
-PROMPTS = "packed_prompts"
-ANSWER = "answer"
-INPUT_IDS = "packed_input_ids"
-PROMPT_MASK = "prompt_mask"
-LOGPROBS = "packed_logprobs"
-NO_EOS = "seq_no_eos_mask"
-REWARDS = "rewards"
-REF_LOGPROBS = "packed_ref_logprobs"
-VALUES = "values"
 
 ACTOR, CRITIC, REF, REWARD = "actor", "critic", "ref", "reward"
 

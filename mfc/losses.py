@@ -18,8 +18,7 @@ Stats are sums too (``*_sum`` and counts), so they add over micro-batches and ra
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -27,8 +26,11 @@ from mfc.advantages import as_seqlens, segment_sum
 from mfc.kl import kl_estimate
 from realflow.api.registry import Registry
 
+if TYPE_CHECKING:  # the knobs import this module (its modes, its registry of policy losses)
+    from mfc.ppo_config import LossConfig
+
 __all__ = ["AGG_MODES", "IS_LEVELS", "policy_losses", "register_policy_loss", "aggregate", "aggregation_weight", "token_logprobs", "entropy_from_logits",
-           "PPOActorConfig", "ppo_actor_loss", "value_loss", "mean_stats"]
+           "ppo_actor_loss", "value_loss", "mean_stats"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 IS_LEVELS = ("token", "sequence")
@@ -89,57 +91,6 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     return -(logp.exp() * logp).sum(-1)
 
 
-@dataclass
-class PPOActorConfig:
-    """Hyper-parameters of :func:`ppo_actor_loss`.
-
-    ``eps_clip``/``eps_clip_high``: the ratio is clipped to ``[1-eps_clip, 1+eps_clip_high]``
-    (``eps_clip_high=None``: symmetric). ``dual_clip``: ``c > 1`` bounds the loss of
-    negative-advantage tokens by ``-c*A`` (None: off). ``behav_imp_weight_cap``: cap on
-    ``pi_prox / pi_behav`` in the decoupled objective; ``behav_cap_mode='truncate'``
-    uses ``min(w, cap)``, ``'mask'`` drops tokens above the cap from the loss.
-    """
-
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
-    dual_clip: float | None = None
-    behav_imp_weight_cap: float | None = None
-    behav_cap_mode: str = "truncate"
-    entropy_coef: float = 0.0
-    agg: str = "token-mean"
-    norm_len: float | None = None
-    importance_sampling_level: str = "token"  # token | sequence (GSPO)
-    policy_loss: str = "clip"  # clip (PPO's hard clip) | sapo (soft gates)
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    kl_loss_coef: float = 0.0  # > 0: KL(pi || pi_ref) in the loss (GRPO paper), needs ref logprobs
-    kl_loss_estimator: str = "k3"
-    kl_clamp: float | None = 10.0  # bound on each token's KL estimate (verl's low-variance KL)
-
-    def __post_init__(self) -> None:
-        if self.importance_sampling_level not in IS_LEVELS:
-            raise ValueError(f"PPOActorConfig.importance_sampling_level={self.importance_sampling_level!r}: "
-                             f"expected one of {IS_LEVELS}")
-        policy_losses.get(self.policy_loss)  # an unknown one names the registered ones
-        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
-            raise ValueError("PPOActorConfig.sapo_tau_pos and sapo_tau_neg must be > 0")
-        if not self.kl_loss_coef >= 0:
-            raise ValueError(f"PPOActorConfig.kl_loss_coef must be >= 0, got {self.kl_loss_coef}")
-        if not 0 < self.eps_clip < 1:
-            raise ValueError(f"PPOActorConfig.eps_clip must be in (0, 1), got {self.eps_clip}")
-        if self.eps_clip_high is not None and self.eps_clip_high <= 0:
-            raise ValueError(f"PPOActorConfig.eps_clip_high must be > 0, got {self.eps_clip_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"PPOActorConfig.dual_clip must be > 1 (or None), got {self.dual_clip}")
-        if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
-            raise ValueError(f"PPOActorConfig.behav_imp_weight_cap must be > 1 (or None), "
-                             f"got {self.behav_imp_weight_cap}")
-        if self.behav_cap_mode not in ("truncate", "mask"):
-            raise ValueError(f"PPOActorConfig.behav_cap_mode must be 'truncate' or 'mask', "
-                             f"got {self.behav_cap_mode!r}")
-        _check_mode(self.agg)
-
-
 def _same_shape(**tensors: torch.Tensor | None) -> None:
     shapes = {k: tuple(v.shape) for k, v in tensors.items() if v is not None}
     if len(set(shapes.values())) > 1:
@@ -147,7 +98,7 @@ def _same_shape(**tensors: torch.Tensor | None) -> None:
 
 
 def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                   loss_mask: torch.Tensor, cfg: PPOActorConfig | None = None,
+                   loss_mask: torch.Tensor, cfg: LossConfig,
                    seqlens: Sequence[int] | torch.Tensor | None = None,
                    prox_logprobs: torch.Tensor | None = None,
                    entropy: torch.Tensor | None = None,
@@ -163,10 +114,11 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     its gradient reaching every token through the mean. ``policy_loss='sapo'`` replaces the
     clip by SAPO's soft gate ``(4 / tau) * sigmoid(tau * (ratio - 1))`` (``tau_pos`` where the
     advantage is positive, ``tau_neg`` elsewhere). ``entropy`` (per token, differentiable)
-    adds ``-entropy_coef * entropy``; ``ref_logprobs`` with ``kl_loss_coef > 0`` adds
-    ``kl_loss_coef * KL(pi || pi_ref)`` per token (estimator ``kl_loss_estimator``).
+    adds ``-entropy_coef * entropy``; with ``kl_in='loss'`` and ``kl_coef > 0``, ``ref_logprobs``
+    adds ``kl_coef * KL(pi || pi_ref)`` per token (estimator ``cfg.kl_estimator_used()``: k3 unless
+    set). ``seq-mean-token-sum-norm`` divides by ``loss_agg_norm_len`` (the interface sets it to
+    ``max_new_tokens`` when unset). The knobs are :class:`mfc.ppo_config.LossConfig`'s.
     """
-    cfg = cfg or PPOActorConfig()
     _same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
                 loss_mask=loss_mask, prox_logprobs=prox_logprobs, entropy=entropy, ref_logprobs=ref_logprobs)
     mask = loss_mask.bool()
@@ -199,12 +151,13 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     if entropy is not None and cfg.entropy_coef:
         per_token = per_token - cfg.entropy_coef * entropy.float()
     kl = None
-    if cfg.kl_loss_coef:
+    kl_coef = cfg.kl_loss_coef()
+    if kl_coef:
         if ref_logprobs is None:
-            raise ValueError("kl_loss_coef > 0 needs the reference model's logprobs")
-        kl = kl_estimate(logprobs, ref_logprobs.detach(), cfg.kl_loss_estimator, value_clamp=cfg.kl_clamp)
-        per_token = per_token + cfg.kl_loss_coef * kl
-    loss = aggregate(per_token, mask, seqlens, cfg.agg, cfg.norm_len)
+            raise ValueError("kl_in='loss' with kl_coef > 0 needs the reference model's logprobs")
+        kl = kl_estimate(logprobs, ref_logprobs.detach(), cfg.kl_estimator_used(), value_clamp=cfg.kl_clamp)
+        per_token = per_token + kl_coef * kl
+    loss = aggregate(per_token, mask, seqlens, cfg.loss_agg, cfg.loss_agg_norm_len)
     with torch.no_grad():
         m = mask.float()
         stats = {
@@ -227,7 +180,7 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
 
 #: per-token policy-gradient losses: ``fn(ratio, advantages, cfg) -> (loss per token, clipped mask)``;
 #: ``ppo.policy_loss=NAME`` picks one; a user package adds its own with ``@register_policy_loss``
-policy_losses: Registry[Callable[[torch.Tensor, torch.Tensor, "PPOActorConfig"],
+policy_losses: Registry[Callable[[torch.Tensor, torch.Tensor, "LossConfig"],
                                  tuple[torch.Tensor, torch.Tensor]]] = Registry("policy loss")
 
 
@@ -236,7 +189,7 @@ def register_policy_loss(name: str):
 
 
 @register_policy_loss("clip")
-def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: "PPOActorConfig") -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: "LossConfig") -> tuple[torch.Tensor, torch.Tensor]:
     """PPO: ``-min(ratio A, clip(ratio, 1 - eps_clip, 1 + eps_clip_high) A)``."""
     hi = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
     loss1 = -adv * ratio
@@ -245,7 +198,7 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: "PPOActorConf
 
 
 @register_policy_loss("sapo")
-def sapo_soft_gate(ratio: torch.Tensor, adv: torch.Tensor, cfg: "PPOActorConfig") -> tuple[torch.Tensor, torch.Tensor]:
+def sapo_soft_gate(ratio: torch.Tensor, adv: torch.Tensor, cfg: "LossConfig") -> tuple[torch.Tensor, torch.Tensor]:
     """SAPO: ``-(4 / tau) sigmoid(tau (ratio - 1)) A``, ``tau = sapo_tau_pos`` where ``A > 0``."""
     tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
     return -adv * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)), torch.zeros_like(adv, dtype=torch.bool)

@@ -12,8 +12,14 @@ each as ``NormConfig`` values makes them comparable and reachable by ``key=value
 * ``mean_leave1out``: each value is centred on the mean of the *others* at its level (RLOO);
   a group of one then has no others and its value becomes 0.
 * ``std_unbiased``: the sample std (divide by n - 1: TRL, verl and AReaL's default) or the
-  population std (divide by n). The std is always that of the values themselves at
-  ``std_level`` (not of the centred ones), so group centring with batch scaling is LitePPO's.
+  population std (divide by n).
+* ``std_of``: what the std at ``std_level`` is taken of. ``centred`` (default): the values minus
+  their (plain, not leave-one-out) mean at ``mean_level``, as AReaL and ROLL compute LitePPO's
+  group mean / batch std; ``raw``: the values themselves. The two differ only when the std's
+  level is wider than the mean's (``mean_level=group std_level=batch``): the batch std of raw
+  rewards also counts how far the groups' means lie apart, the centred one only the spread
+  inside the groups. Elsewhere they are equal (a shift by a constant per level does not change
+  the std), and both are computed from the raw values, as before.
 * ``eps`` is added to the std.
 
 Values are given per entry with the group index of each entry and a mask of which entries
@@ -27,6 +33,7 @@ from typing import Callable, Optional
 import torch
 
 LEVELS = ("batch", "group", "none")
+STD_OF = ("centred", "raw")
 DpSum = Callable[[list[float]], list[float]]
 
 
@@ -39,11 +46,14 @@ class NormConfig:
     mean_leave1out: bool = False
     std_unbiased: bool = True
     eps: float = 1e-5
+    std_of: str = "centred"
 
     def __post_init__(self) -> None:
         for name in ("mean_level", "std_level"):
             if getattr(self, name) not in LEVELS:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(LEVELS)}")
+        if self.std_of not in STD_OF:
+            raise ValueError(f"std_of={self.std_of!r} must be one of {', '.join(STD_OF)}")
         if not self.eps >= 0:
             raise ValueError(f"eps={self.eps!r} must be >= 0")
 
@@ -93,7 +103,11 @@ def normalize(x: torch.Tensor, cfg: NormConfig, group_ids: Optional[torch.Tensor
             mean = s / n.clamp(min=1)
         out = xd - mean
     if cfg.std_level != "none":
-        n, s, ss = _sums(xd, md, gid, cfg.std_level, dp_sum)
+        spread = xd
+        if cfg.std_of == "centred" and cfg.mean_level == "group" and cfg.std_level == "batch":
+            n, s, _ = _sums(xd, md, gid, "group", dp_sum)
+            spread = xd - s / n.clamp(min=1)  # within-group deviations (see the module docstring)
+        n, s, ss = _sums(spread, md, gid, cfg.std_level, dp_sum)
         mu = s / n.clamp(min=1)
         dev2 = (ss - n * mu * mu).clamp(min=0)
         denom = (n - 1).clamp(min=1) if cfg.std_unbiased else n.clamp(min=1)

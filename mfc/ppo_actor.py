@@ -10,22 +10,23 @@ or decoupled) objective. ``evaluate`` scores greedy and sampled responses to hel
 """
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from mfc.losses import PPOActorConfig, aggregation_weight, ppo_actor_loss
+from mfc.losses import aggregation_weight, ppo_actor_loss
 from mfc.packed import next_token_targets
+from mfc.ppo_config import PPOConfig
 from mfc.reward import held_out_scores
-from mfc.rl_batch import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REF_LOGPROBS, AdvantageConfig, KLPenalty,
-                          flat_seqlens, run_ppo_updates)
+from mfc.rl_batch import KLPenalty, flat_seqlens, run_ppo_updates
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
+from realflow.api.config_values import dict_to_config
 from realflow.api.generation import SamplingParams
 from realflow.api.interface import Model, ModelInterface, register_interface
-
-PROX_LOGPROBS = "proximal_logprobs"
+from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROMPTS, PROX_LOGPROBS, REF_LOGPROBS
 
 
 @register_interface("ppo_actor")
@@ -41,50 +42,30 @@ class PPOActorInterface(ModelInterface):
     stop: list[str] = field(default_factory=list)  # stop strings (the response keeps them)
     stop_token_ids: list[int] = field(default_factory=list)  # besides the tokenizer's eos
     seed: int = 1
-    ppo_epochs: int = 1
-    n_minibatches: int = 1
-    eps_clip: float = 0.2
-    eps_clip_high: Optional[float] = None  # clip-higher (DAPO): the upper bound 1 + eps_clip_high
-    dual_clip: Optional[float] = None
-    entropy_coef: float = 0.0
-    loss_agg: str = "token-mean"
-    loss_agg_norm_len: Optional[float] = None  # seq-mean-token-sum-norm's normaliser (None: max_new_tokens)
-    importance_sampling_level: str = "token"  # token | sequence (GSPO)
-    policy_loss: str = "clip"  # clip | sapo
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    adv: dict[str, Any] = field(default_factory=dict)  # AdvantageConfig fields
+    # the knobs of the loss, the advantages and the update schedule (mfc.ppo_config); a dict of
+    # its fields (interface arguments travel as plain data) becomes a PPOConfig when built
+    ppo: PPOConfig = field(default_factory=PPOConfig)
     eval_max_new_tokens: int = 16
     eval_n_samples: int = 8  # samples per held-out prompt for sampled_accuracy (0 = greedy only)
     eval_reward: str = ""  # "" = final-answer exact match; else a registered reward (mean = accuracy)
     eval_reward_args: dict[str, Any] = field(default_factory=dict)
     # decoupled PPO (asynchronous runs): clip against the proximal policy (key PROX_LOGPROBS, from
-    # actor_inf) and weight each token by pi_prox / pi_behav, capped at behav_imp_weight_cap
+    # actor_inf) and weight each token by pi_prox / pi_behav, capped at ppo.behav_imp_weight_cap
     decoupled: bool = False
-    behav_imp_weight_cap: Optional[float] = None
 
     def __post_init__(self) -> None:
         # bad sampling settings fail when the interface is built, not at the first generate
         sp = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                             stop=self.stop, stop_token_ids=self.stop_token_ids).validate()
         self.stop, self.stop_token_ids = sp.stop, sp.stop_token_ids  # a single string -> [string]
-        self.adv_cfg = AdvantageConfig(**{"max_new_tokens": self.max_new_tokens, **self.adv})
-        self.kl = KLPenalty(self.adv_cfg)
-        kl_in_loss = self.adv_cfg.kl_in == "loss"
-        self.loss_cfg = PPOActorConfig(
-            eps_clip=self.eps_clip, eps_clip_high=self.eps_clip_high, dual_clip=self.dual_clip,
-            entropy_coef=self.entropy_coef, agg=self.loss_agg,
-            norm_len=self.loss_agg_norm_len or float(self.max_new_tokens),
-            behav_imp_weight_cap=self.behav_imp_weight_cap, importance_sampling_level=self.importance_sampling_level,
-            policy_loss=self.policy_loss, sapo_tau_pos=self.sapo_tau_pos, sapo_tau_neg=self.sapo_tau_neg,
-            kl_loss_coef=self.adv_cfg.kl_coef if kl_in_loss else 0.0, kl_loss_estimator=self.adv_cfg.kl_estimator,
-            kl_clamp=self.adv_cfg.kl_clamp)
+        self.ppo = knobs_for(self.ppo, self.max_new_tokens)
+        self.kl = KLPenalty(self.ppo)
         self._step = 0
 
     # ---- generate -------------------------------------------------------------------------------
     def generate(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> SequenceBatch:
         tok = model.tokenizer
-        prompts = [batch.sequences("packed_prompts", i)[0].tolist() for i in range(len(batch))]
+        prompts = [batch.sequences(PROMPTS, i)[0].tolist() for i in range(len(batch))]
         gen = model.module.generator(max(map(len, prompts), default=1) + self.max_new_tokens,
                                      version=model.version, tokenizer=tok)
         # seeds: reproducible per (run seed, weight version, sample)
@@ -136,19 +117,19 @@ class PPOActorInterface(ModelInterface):
     # ---- train ----------------------------------------------------------------------------------
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
         eng = model.module
-        t, kl_coef = self.kl.rl_tensors(batch, self.adv_cfg, eng.dp_sum)
+        t, kl_coef = self.kl.rl_tensors(batch, self.ppo, eng.dp_sum, self.max_new_tokens)
         extra = {}
         if self.decoupled:
             if PROX_LOGPROBS not in batch.data:
                 raise ValueError(f"decoupled PPO needs '{PROX_LOGPROBS}' (the proximal policy's logprobs from "
                                  f"actor_inf) among actor_train's inputs")
             extra["_prox_lp"] = batch.data[PROX_LOGPROBS].float()
-        if self.loss_cfg.kl_loss_coef:  # KL in the loss: the reference's logprobs go to the micro-batches
+        if self.ppo.kl_loss_coef():  # KL in the loss: the reference's logprobs go to the micro-batches
             if REF_LOGPROBS not in batch.data:
                 raise ValueError(f"kl_in=loss needs '{REF_LOGPROBS}' (the reference model's logprobs) among "
                                  f"actor_train's inputs")
             extra["_ref_lp"] = batch.data[REF_LOGPROBS].float()
-        up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo_epochs, n_minibatches=self.n_minibatches,
+        up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo.ppo_epochs, n_minibatches=self.ppo.n_minibatches,
                              seed=self.seed, step=self._step, micro_batch=self._micro_batch,
                              loss_fn=self._loss, weight_fn=self._weight, extra_keys=extra)
         totals, n_updates = up.totals, up.n_updates
@@ -194,16 +175,16 @@ class PPOActorInterface(ModelInterface):
 
     def _loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:
         t = self.temperature  # the policy being trained is the one that sampled: pi(.)^(1/T), renormalised
-        if self.loss_cfg.entropy_coef:
+        if self.ppo.entropy_coef:
             lp, ent = outputs.logprobs_and_entropy(extra["targets"], t)
         else:
             lp, ent = outputs.logprobs(extra["targets"], t), None
-        ref = extra["ref"].float() if self.loss_cfg.kl_loss_coef and extra["ref"] is not None else None
-        return ppo_actor_loss(lp, extra["old"], extra["adv"], extra["mask"], self.loss_cfg,
+        ref = extra["ref"].float() if self.ppo.kl_loss_coef() and extra["ref"] is not None else None
+        return ppo_actor_loss(lp, extra["old"], extra["adv"], extra["mask"], self.ppo,
                               seqlens=extra["lens"], prox_logprobs=extra["prox"], entropy=ent, ref_logprobs=ref)
 
     def _weight(self, extra: dict) -> float:
-        return float(aggregation_weight(extra["mask"], extra["lens"], self.loss_cfg.agg))
+        return float(aggregation_weight(extra["mask"], extra["lens"], self.ppo.loss_agg))
 
     # ---- evaluation / save ----------------------------------------------------------------------
     def evaluate(self, model: Model, batch: SequenceBatch) -> dict[str, float]:
@@ -217,7 +198,7 @@ class PPOActorInterface(ModelInterface):
         same random draws.
         """
         eng = model.module
-        prompts = [batch.sequences("packed_prompts", i)[0].tolist() for i in range(len(batch))]
+        prompts = [batch.sequences(PROMPTS, i)[0].tolist() for i in range(len(batch))]
         tok = model.tokenizer
         sampled = None
         if eng.strategy.pp == 1 and not eng.is_critic:
@@ -249,6 +230,17 @@ class PPOActorInterface(ModelInterface):
 
     def save(self, model: Model, path: str) -> None:
         model.module.save_hf(path, tokenizer_dir=getattr(model.tokenizer, "name_or_path", None))
+
+
+def knobs_for(ppo: PPOConfig | dict[str, Any], max_new_tokens: int) -> PPOConfig:
+    """The interface's knobs: built from plain data when they came as a dict (from the wire), with
+    ``loss_agg_norm_len`` defaulting to ``max_new_tokens``, and checked against the generation
+    length (a bad overlong buffer fails when the interface is built, not at the first step)."""
+    cfg = dict_to_config(PPOConfig, ppo) if isinstance(ppo, dict) else ppo
+    if cfg.loss_agg_norm_len is None:
+        cfg = dataclasses.replace(cfg, loss_agg_norm_len=float(max_new_tokens))
+    cfg.overlong_buffer(max_new_tokens)
+    return cfg
 
 
 def logprobs_batch(model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec, key: str,

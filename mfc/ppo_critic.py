@@ -13,26 +13,27 @@ from typing import Any, Optional
 import torch
 
 from mfc.losses import aggregation_weight, value_loss
-from mfc.ppo_actor import logprobs_batch
-from mfc.rl_batch import (INPUT_IDS, VALUES, AdvantageConfig, KLPenalty, flat_seqlens,
-                          run_ppo_updates)
+from mfc.ppo_actor import knobs_for, logprobs_batch
+from mfc.ppo_config import PPOConfig
+from mfc.rl_batch import KLPenalty, flat_seqlens, run_ppo_updates
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.interface import Model, ModelInterface, register_interface
+from realflow.api.keys import INPUT_IDS, REF_LOGPROBS, VALUES
 
 
 @register_interface("ppo_critic")
 @dataclass
 class PPOCriticInterface(ModelInterface):
-    ppo_epochs: int = 1
-    n_minibatches: int = 1
-    value_eps_clip: Optional[float] = 0.2
-    loss_agg: str = "token-mean"
+    # the same knobs as the actor's (mfc.ppo_config; a dict of its fields from the wire): the critic
+    # computes the same advantages and returns, and trains with value_eps_clip on the same schedule
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    max_new_tokens: int = 0  # the generation's length limit (the overlong punishment's)
+    loss_agg: str = "token-mean"  # the value loss's aggregation
     seed: int = 1
-    adv: dict[str, Any] = field(default_factory=dict)  # AdvantageConfig fields (same as the actor's)
 
     def __post_init__(self) -> None:
-        self.adv_cfg = AdvantageConfig(**self.adv)
-        self.kl = KLPenalty(self.adv_cfg)
+        self.ppo = knobs_for(self.ppo, self.max_new_tokens)
+        self.kl = KLPenalty(self.ppo)
         self._step = 0
 
     def inference(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> Optional[SequenceBatch]:
@@ -44,8 +45,8 @@ class PPOCriticInterface(ModelInterface):
 
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
         eng = model.module
-        t, _ = self.kl.rl_tensors(batch, self.adv_cfg, eng.dp_sum)
-        up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo_epochs, n_minibatches=self.n_minibatches,
+        t, _ = self.kl.rl_tensors(batch, self.ppo, eng.dp_sum, self.max_new_tokens)
+        up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo.ppo_epochs, n_minibatches=self.ppo.n_minibatches,
                              seed=self.seed, step=self._step,
                              micro_batch=lambda mb, lens: {"mask": mb.data["_mask"].bool(), "old": mb.data["_old_v"],
                                                            "ret": mb.data["_ret"], "lens": lens},
@@ -61,7 +62,7 @@ class PPOCriticInterface(ModelInterface):
         return out
 
     def _loss(self, outputs: Any, extra: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        return value_loss(outputs.values(), extra["old"], extra["ret"], extra["mask"], self.value_eps_clip,
+        return value_loss(outputs.values(), extra["old"], extra["ret"], extra["mask"], self.ppo.value_eps_clip,
                           seqlens=extra["lens"], agg=self.loss_agg)
 
     def _weight(self, extra: dict) -> float:
@@ -80,4 +81,4 @@ class PPORefInterface(ModelInterface):
     temperature: float = 1.0
 
     def inference(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> Optional[SequenceBatch]:
-        return logprobs_batch(model, batch, mb_spec, "packed_ref_logprobs", self.temperature)
+        return logprobs_batch(model, batch, mb_spec, REF_LOGPROBS, self.temperature)

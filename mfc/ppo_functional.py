@@ -21,8 +21,9 @@ from mfc.advantages import (as_seqlens, discounted_returns, gae, grpo_advantages
                             segment_discounted_cumsum, segment_sum, token_group_ids)
 from mfc.kl import (AdaptiveKLController, FixedKLController, KLControlConfig, kl_estimate,
                     make_kl_controller, shape_rewards)
-from mfc.losses import (AGG_MODES, PPOActorConfig, aggregate, aggregation_weight,
-                        entropy_from_logits, mean_stats, ppo_actor_loss, token_logprobs, value_loss)
+from mfc.losses import (AGG_MODES, aggregate, aggregation_weight, entropy_from_logits, mean_stats, ppo_actor_loss,
+                        token_logprobs, value_loss)
+from mfc.ppo_config import LossConfig
 from realflow.api.batch import SequenceBatch
 
 __all__ = [
@@ -31,7 +32,7 @@ __all__ = [
     "as_seqlens", "discounted_returns", "gae", "grpo_advantages", "normalize", "reinforce_pp_advantages",
     "rloo_advantages", "segment_ids", "seq_to_token", "segment_discounted_cumsum", "segment_sum", "token_group_ids",
     "AdaptiveKLController", "FixedKLController", "KLControlConfig", "kl_estimate", "make_kl_controller",
-    "shape_rewards", "AGG_MODES", "PPOActorConfig", "aggregate", "aggregation_weight",
+    "shape_rewards", "AGG_MODES", "LossConfig", "aggregate", "aggregation_weight",
     "entropy_from_logits", "mean_stats", "ppo_actor_loss", "token_logprobs", "value_loss",
 ]
 

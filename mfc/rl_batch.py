@@ -18,74 +18,12 @@ import torch
 
 from mfc.advantages import discounted_returns, gae, seq_to_token
 from mfc.kl import KLControlConfig, kl_estimate, make_kl_controller, shape_rewards
-from mfc.normalization import NormConfig, normalize
+from mfc.normalization import normalize
+from mfc.ppo_config import ESTIMATORS, AdvantageConfig, KLConfig  # noqa: F401  (importable from here too)
 from mfc.ppo_functional import ppo_minibatches
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.engine import LossFn, TrainEngine
-
-INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS = "packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask"
-REWARDS, REF_LOGPROBS, VALUES = "rewards", "packed_ref_logprobs", "values"
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce++")
-
-
-@dataclass
-class AdvantageConfig:
-    """How rewards become advantages (the same on the actor and the critic side)."""
-
-    estimator: str = "gae"  # gae | grpo | rloo | reinforce++
-    gamma: float = 1.0
-    lam: float = 1.0
-    kl_coef: float = 0.0  # token-level KL penalty in the reward (needs reference logprobs); initial value
-    kl_estimator: str = "k1"
-    kl_ctl: str = "fixed"  # fixed | adaptive (steer the per-sequence KL towards kl_target)
-    kl_target: float = 6.0
-    kl_horizon: float = 10000.0
-    kl_clamp: Optional[float] = 10.0  # bound on each token's KL estimate
-    kl_in: str = "reward"  # reward: a per-token penalty in the reward (AReaL) | loss: in the actor's loss (GRPO)
-    reward_scale: float = 1.0
-    reward_bias: float = 0.0
-    reward_clip: Optional[float] = None
-    # the sequence rewards' normalisation (mfc.normalization); None: the estimator's own (grpo:
-    # group mean and unbiased std, eps 1e-6; rloo: the group's leave-one-out mean; others: none)
-    reward_norm: Optional[Any] = None
-    # the token advantages' normalisation; "none" | "batch" | "group" are shorthands (mean and
-    # population std at that level, eps 1e-8: realflow's behaviour before NormConfig)
-    adv_norm: Any = "batch"
-    adv_norm_std: bool = True
-    mask_truncated: bool = False  # responses cut by max_new_tokens get no loss (DAPO's overlong filtering)
-    overlong_buffer: int = 0  # DAPO soft overlong punishment: the last N tokens before max_new_tokens
-    overlong_penalty: float = 1.0  # ... cost up to this much reward, linearly
-    max_new_tokens: int = 0  # the generation length limit (needed by the overlong punishment)
-
-    def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator={self.estimator!r}: expected one of {ESTIMATORS}")
-        self.reward_norm = _norm(self.reward_norm, "reward_norm") if self.reward_norm is not None \
-            else _estimator_reward_norm(self.estimator)
-        self.adv_norm = _norm(self.adv_norm, "adv_norm", self.adv_norm_std)
-        if self.kl_in not in ("reward", "loss"):
-            raise ValueError(f"kl_in={self.kl_in!r}: expected reward or loss")
-        if self.overlong_buffer < 0 or (self.overlong_buffer and self.overlong_buffer >= max(self.max_new_tokens, 1)):
-            raise ValueError(f"overlong_buffer={self.overlong_buffer} must be >= 0 and < max_new_tokens="
-                             f"{self.max_new_tokens}")
-
-
-def _norm(value: Any, what: str, scale: bool = True) -> NormConfig:
-    if isinstance(value, NormConfig):
-        return value
-    if isinstance(value, dict):
-        return NormConfig(**value)
-    if value in ("none", "batch", "group"):
-        return NormConfig(mean_level=value, std_level=value if scale else "none", std_unbiased=False, eps=1e-8)
-    raise ValueError(f"{what}={value!r}: expected a NormConfig, its fields as a dict, or none | batch | group")
-
-
-def _estimator_reward_norm(estimator: str) -> NormConfig:
-    if estimator == "grpo":
-        return NormConfig(mean_level="group", std_level="group", std_unbiased=True, eps=1e-6)
-    if estimator == "rloo":
-        return NormConfig(mean_level="group", std_level="none", mean_leave1out=True)
-    return NormConfig(mean_level="none", std_level="none")
+from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REF_LOGPROBS, REWARDS, VALUES  # noqa: F401
 
 
 def overlong_punishment(resp_lens: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
@@ -128,7 +66,7 @@ class KLPenalty:
     coefficients stay equal without talking to each other.
     """
 
-    def __init__(self, cfg: AdvantageConfig) -> None:
+    def __init__(self, cfg: KLConfig) -> None:
         self.ctl = make_kl_controller(KLControlConfig(cfg.kl_ctl, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon))
 
     @property
@@ -136,10 +74,10 @@ class KLPenalty:
         return self.ctl.value
 
     def rl_tensors(self, batch: SequenceBatch, cfg: AdvantageConfig,
-                   dp_sum: Callable[[list[float]], list[float]]) -> tuple["RLTensors", float]:
+                   dp_sum: Callable[[list[float]], list[float]], max_new_tokens: int = 0) -> tuple["RLTensors", float]:
         """:func:`compute_rl_tensors` at the current coefficient, then adapt it; returns (tensors, coef used)."""
         coef = self.value
-        t = compute_rl_tensors(batch, cfg, dp_sum=dp_sum, kl_coef=coef)
+        t = compute_rl_tensors(batch, cfg, dp_sum=dp_sum, kl_coef=coef, max_new_tokens=max_new_tokens)
         self.update(t.stats, dp_sum)
         return t, coef
 
@@ -153,10 +91,12 @@ class KLPenalty:
 
 def compute_rl_tensors(batch: SequenceBatch, cfg: AdvantageConfig,
                        dp_sum: Optional[Callable[[list[float]], list[float]]] = None,
-                       kl_coef: Optional[float] = None) -> RLTensors:
+                       kl_coef: Optional[float] = None, max_new_tokens: int = 0) -> RLTensors:
     """Rewards -> (shaped token rewards) -> advantages and returns, for this dp rank's batch.
 
-    ``kl_coef`` overrides ``cfg.kl_coef`` (an adaptive controller's current value)."""
+    ``kl_coef`` overrides ``cfg.kl_coef`` (an adaptive controller's current value);
+    ``max_new_tokens``: the generation's length limit (DAPO's overlong punishment measures
+    against it)."""
     kl_coef = cfg.kl_coef if kl_coef is None else kl_coef
     ids = batch.data[INPUT_IDS]
     lens = flat_seqlens(batch)
@@ -179,21 +119,23 @@ def compute_rl_tensors(batch: SequenceBatch, cfg: AdvantageConfig,
                                # -log p of the sampled tokens: a Monte-Carlo estimate of the policy's entropy
                                "neg_logprob_sum": float(-a_old.sum())}
     if REF_LOGPROBS in batch.data:
-        kl = kl_estimate(a_old, batch.data[REF_LOGPROBS].float()[act], cfg.kl_estimator, value_clamp=cfg.kl_clamp)
+        kl = kl_estimate(a_old, batch.data[REF_LOGPROBS].float()[act], cfg.kl_estimator_used(),
+                         value_clamp=cfg.kl_clamp)
         stats["kl_ref_sum"] = float(kl.sum())
     if cfg.kl_in == "loss":  # the actor's loss carries it (with its gradient): no penalty in the reward
         kl_coef = 0.0
-    if cfg.overlong_buffer:
-        pun = overlong_punishment(torch.tensor(resp_lens), cfg.max_new_tokens, cfg.overlong_buffer,
-                                  cfg.overlong_penalty).to(scores.dtype)
+    buffer = cfg.overlong_buffer(max_new_tokens)
+    if buffer:
+        pun = overlong_punishment(torch.tensor(resp_lens), max_new_tokens, buffer, cfg.overlong_penalty).to(scores.dtype)
         stats["overlong_penalty_sum"] = float(-pun.sum())
         scores = scores + pun
     seq_gid = torch.repeat_interleave(torch.arange(len(group_sizes)), torch.tensor(group_sizes))
     scores = (scores + cfg.reward_bias) * cfg.reward_scale  # clip((r + bias) * scale), then normalise
     if cfg.reward_clip is not None:
         scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
-    if not cfg.reward_norm.is_identity:
-        scores = normalize(scores.double(), cfg.reward_norm, seq_gid, dp_sum=dp_sum).to(scores.dtype)
+    reward_norm = cfg.reward_norm_used()
+    if not reward_norm.is_identity:
+        scores = normalize(scores.double(), reward_norm, seq_gid, dp_sum=dp_sum).to(scores.dtype)
     values = batch.data[VALUES].float() if VALUES in batch.data else None
     if cfg.estimator in ("gae", "reinforce++"):
         tok_r = shape_rewards(scores, resp_lens, kl, kl_coef)

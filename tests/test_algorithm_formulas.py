@@ -10,6 +10,10 @@ equal), prompts and responses of mixed lengths, truncated responses (cut at max_
 also the ones the overlong punishment hits) and new log-probs far outside the clip range.
 Loss and gradient (w.r.t. every token's new log-prob) agree with the reference in d1, and in d2
 (two real gloo ranks, half the groups each, batch statistics summed over ranks) equal d1.
+
+Beyond the presets: the KL penalty at its default estimator in the loss (``ppo.kl_in=loss``: k3,
+verl's low_var_kl) and in the reward (k1), and LitePPO's batch std of the raw rewards
+(``ppo.reward_norm.std_of=raw``) beside its default (of the group-centred rewards).
 """
 from __future__ import annotations
 
@@ -24,7 +28,12 @@ from parallel.testing import run_cases
 MODULE = __name__.rsplit(".", 1)[-1]
 MAX_NEW = 8
 GROUPS = [4, 4, 1, 3]
-ALGORITHMS = ["ppo", "grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp", "dapo", "gspo", "sapo", "grpo_kl_loss"]
+ALGORITHMS = ["ppo", "grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp", "dapo", "gspo", "sapo", "grpo_kl_loss",
+              "grpo_kl_reward", "lite_ppo_raw_std"]
+#: the cases that are a preset plus keys (each key at its default otherwise)
+VARIANTS = {"grpo_kl_loss": ["algorithm=grpo", "ppo.kl_coef=0.1", "ppo.kl_in=loss"],
+            "grpo_kl_reward": ["algorithm=grpo", "ppo.kl_coef=0.1"],
+            "lite_ppo_raw_std": ["algorithm=lite_ppo", "ppo.reward_norm.std_of=raw"]}
 # realflow computes advantages and the loss in fp32 (the reference in fp64): a few ulps of fp32
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-5
 
@@ -107,13 +116,20 @@ def reference(alg: str, groups: list[list[dict]]) -> tuple[torch.Tensor, list[to
                    for rs, group in zip(rewards, groups)]
     adv: list[list[float]] = []  # per sequence: one value per response token
     every = [r for rs in rewards for r in rs]
+    centred = [r - _mean(rs) for rs in rewards for r in rs]  # each reward minus its group's mean
     for rs, group in zip(rewards, groups):
         for i, (r, s) in enumerate(zip(rs, group)):
             if alg in ("grpo", "dapo", "gspo", "sapo", "grpo_kl_loss"):
                 a = (r - _mean(rs)) / (_std(rs) + 1e-6)
+            elif alg == "grpo_kl_reward":  # - beta * k1(pi_old || pi_ref) on each token, clamped at 10
+                a0 = (r - _mean(rs)) / (_std(rs) + 1e-6)
+                adv.append([a0 - 0.1 * max(min(float(o - f), 10.0), -10.0) for o, f in zip(s["old"], s["ref"])])
+                continue
             elif alg == "dr_grpo":
                 a = r - _mean(rs)
-            elif alg == "lite_ppo":
+            elif alg == "lite_ppo":  # the batch std of the group-centred rewards (AReaL, ROLL)
+                a = (r - _mean(rs)) / (_std(centred) + 1e-6)
+            elif alg == "lite_ppo_raw_std":  # the batch std of the rewards themselves
                 a = (r - _mean(rs)) / (_std(every) + 1e-6)
             elif alg == "rloo":
                 others = rs[:i] + rs[i + 1:]
@@ -152,7 +168,7 @@ def reference(alg: str, groups: list[list[dict]]) -> tuple[torch.Tensor, list[to
             d = s["ref"] - lp
             tok = tok + 0.1 * (torch.exp(d) - d - 1).clamp(-10, 10)
         per_seq.append(tok)
-    if alg in ("grpo", "sapo", "grpo_kl_loss"):  # 1/G sum_i 1/|o_i| sum_t
+    if alg in ("grpo", "sapo", "grpo_kl_loss", "grpo_kl_reward"):  # 1/G sum_i 1/|o_i| sum_t
         loss = sum(t.mean() for t in per_seq) / len(per_seq)
     elif alg == "dr_grpo":  # 1/G sum_i 1/L_max sum_t
         loss = sum(t.sum() / MAX_NEW for t in per_seq) / len(per_seq)
@@ -173,8 +189,7 @@ def _interface(alg: str):
 
     import_modules(["experiments"])
     exp = "ppo-math" if alg == "ppo" else "grpo-math"
-    over = [f"algorithm={alg}"] if alg != "grpo_kl_loss" else \
-        ["algorithm=grpo", "ppo.kl_coef=0.1", "ppo.kl_in=loss", "ppo.kl_estimator=k3"]
+    over = VARIANTS.get(alg, [f"algorithm={alg}"])
     cfg = parse_overrides(experiment_registry.get(exp), [*over, "fileroot=/nonexistent", f"ppo.max_new_tokens={MAX_NEW}",
                                                          "ppo.n_samples=4"])
     return make_interface("ppo_actor", **{**cfg.ppo.actor_args(), "seed": 1})
@@ -189,12 +204,12 @@ def realflow_loss(alg: str, groups, dp_sum=None):
     batch, new = packed(groups)
     if alg != "ppo":
         batch = batch.select_keys([k for k in batch.seqlens if k != "values"])
-    t = compute_rl_tensors(batch, actor.adv_cfg, dp_sum)
+    t = compute_rl_tensors(batch, actor.ppo, dp_sum, max_new_tokens=actor.max_new_tokens)
     lp = new.clone().requires_grad_(True)
-    ref = batch.data["packed_ref_logprobs"].double() if actor.loss_cfg.kl_loss_coef else None
+    ref = batch.data["packed_ref_logprobs"].double() if actor.ppo.kl_loss_coef() else None
     loss_sum, _ = ppo_actor_loss(lp, t.old_logprobs.double(), t.advantages.double(), t.action_mask,
-                                 actor.loss_cfg, seqlens=t.seqlens, ref_logprobs=ref)
-    weight = aggregation_weight(t.action_mask, t.seqlens, actor.loss_cfg.agg)
+                                 actor.ppo, seqlens=t.seqlens, ref_logprobs=ref)
+    weight = aggregation_weight(t.action_mask, t.seqlens, actor.ppo.loss_agg)
     total = dp_sum([weight])[0] if dp_sum else weight
     loss = loss_sum / total
     loss.backward()
@@ -263,7 +278,7 @@ def test_edge_cases_have_the_formulas_values():
 
     actor = _interface("grpo")
     batch, _ = packed(groups)
-    t = compute_rl_tensors(batch, actor.adv_cfg)
+    t = compute_rl_tensors(batch, actor.ppo)
     per_seq = _action_grads(groups, t.advantages.double())
     sizes = [len(g) for g in groups]
     all_equal = per_seq[sizes[0]:sizes[0] + sizes[1]]
@@ -273,4 +288,4 @@ def test_edge_cases_have_the_formulas_values():
     groups[3][0]["old"] = groups[3][0]["new"] = groups[3][0]["ref"] = torch.zeros(0, dtype=torch.float64)
     bad, _ = packed(groups)
     with pytest.raises(ValueError, match="has no response token"):
-        compute_rl_tensors(bad, actor.adv_cfg)
+        compute_rl_tensors(bad, actor.ppo)

@@ -50,12 +50,67 @@ def test_a_preset_sets_its_keys_and_every_key_stays_overridable():
         _config("grpo-math", "algorithm=dr_gpro")
 
 
-def test_help_lists_every_preset_and_what_it_sets():
+@pytest.fixture(scope="module")
+def sync_help() -> str:
     res = _cli("main_sync_ppo", "--help", timeout=120)
     assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_help_lists_every_preset_and_what_it_sets(sync_help):
     for name in ALGORITHMS:
-        assert f"  algorithm={name}: ppo.estimator=" in res.stdout, name
-    assert "ppo.importance_sampling_level=sequence" in res.stdout and "ppo.policy_loss=sapo" in res.stdout
+        assert f"  algorithm={name}: ppo.estimator=" in sync_help, name
+    assert "ppo.importance_sampling_level=sequence" in sync_help and "ppo.policy_loss=sapo" in sync_help
+
+
+def test_help_shows_every_knob_with_the_help_of_its_one_declaration(sync_help):
+    """Each knob of mfc.ppo_config.PPOConfig is the key ppo.<name>, its --help text the declaration's."""
+    import dataclasses
+
+    from mfc.ppo_config import PPOConfig
+
+    lines = sync_help.splitlines()
+    knobs = [f for f in dataclasses.fields(PPOConfig) if f.init]
+    assert len(knobs) >= 30
+    for f in knobs:
+        at = [i for i, line in enumerate(lines) if line.startswith(f"  ppo.{f.name}: ")]
+        assert len(at) == 1, f.name
+        assert lines[at[0] + 1].strip() == f.metadata["help"], f.name
+    assert "ppo.behav_cap_mode: " in sync_help and "ppo.reward_norm.std_of: " in sync_help
+
+
+def test_presets_name_only_fields_of_the_knob_dataclass():
+    """A preset sets knobs of mfc.ppo_config.PPOConfig (and the data-side dynamic_sampling) by their
+    field names; a misspelt key or a bad value fails when the presets are checked (at import)."""
+    from experiments.algorithms import _BASE, check_presets, preset_overrides
+    from experiments.ppo_hyper import PPOHyperConfig
+    from mfc.ppo_config import PPOConfig
+    from realflow.api.config_values import field_paths
+
+    knobs = set(field_paths(PPOConfig))
+    for name in ALGORITHMS:
+        keys = [item.split("=", 1)[0].removeprefix("ppo.") for item in preset_overrides(name)]
+        assert set(keys) <= knobs | {"dynamic_sampling"}, (name, set(keys) - knobs)
+    assert set(_BASE) <= set(field_paths(PPOHyperConfig))
+    with pytest.raises(ConfigError, match=r"algorithm preset 'typo': unknown config key 'eps_clip_hihg'.*eps_clip_high"):
+        check_presets({"typo": {"eps_clip_hihg": "0.28"}})
+    with pytest.raises(ConfigError, match=r"algorithm preset 'bad': .*ppo.dual_clip=0.5 must be > 1"):
+        check_presets({"bad": {"dual_clip": "0.5"}})
+
+
+def test_the_kl_estimator_defaults_by_where_the_kl_goes():
+    """k3 (low_var_kl) in the loss, k1 in the reward, as verl's defaults; an explicit one wins."""
+    assert _config("grpo-math", "ppo.kl_coef=0.1", "ppo.kl_in=loss").ppo.kl_estimator_used() == "k3"
+    assert _config("grpo-math", "ppo.kl_coef=0.1").ppo.kl_estimator_used() == "k1"
+    assert _config("grpo-math", "ppo.kl_in=loss", "ppo.kl_estimator=k1").ppo.kl_estimator_used() == "k1"
+    from realflow.api.interface import make_interface
+
+    cfg = _config("grpo-math", "ppo.kl_coef=0.1", "ppo.kl_in=loss", "ppo.behav_cap_mode=mask").ppo
+    actor = make_interface("ppo_actor", **cfg.actor_args())
+    assert actor.ppo.kl_estimator_used() == "k3" and actor.ppo.kl_loss_coef() == 0.1
+    assert actor.ppo.behav_cap_mode == "mask"  # the decoupled loss's cap mode, from the command line
+    with pytest.raises(ValueError, match="ppo.behav_cap_mode='clip' must be one of truncate, mask"):
+        _config("async-grpo-math", "ppo.behav_cap_mode=clip")
 
 
 @pytest.mark.parametrize("app,args,needles", [
@@ -138,7 +193,7 @@ def test_a_user_package_adds_a_policy_loss_without_editing_realflow():
         actor = make_interface("ppo_actor", **{**cfg.actor_args(), "seed": 1})
         lp = torch.tensor([-0.8, -0.5, -2.0], requires_grad=True)  # first ratio e^0.4 > 1.28: capped
         old, adv = torch.tensor([-1.2, -0.5, -1.0]), torch.tensor([1.0, -1.0, 2.0])
-        loss, stats = ppo_actor_loss(lp, old, adv, torch.ones(3, dtype=torch.bool), actor.loss_cfg, seqlens=[3])
+        loss, stats = ppo_actor_loss(lp, old, adv, torch.ones(3, dtype=torch.bool), actor.ppo, seqlens=[3])
         loss.backward()
         w = torch.exp(lp.detach() - old).clamp(max=1.28)
         assert torch.allclose(lp.grad, -w * adv) and stats["clipped_tokens"] == 1.0

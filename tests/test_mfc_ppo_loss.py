@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from mfc.kl import AdaptiveKLController, KLControlConfig, kl_estimate, make_kl_controller, shape_rewards
-from mfc.losses import (PPOActorConfig, aggregate, aggregation_weight, entropy_from_logits, mean_stats,
+from mfc.losses import (aggregate, aggregation_weight, entropy_from_logits, mean_stats,
                         ppo_actor_loss, token_logprobs, value_loss)
+from mfc.ppo_config import LossConfig
 from mfc.ppo_functional import mask_truncated, minibatch_indices, ppo_minibatches, split_minibatches
 from realflow.api.batch import SequenceBatch
 
@@ -56,7 +57,7 @@ CASES = [
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_actor_loss_matches_per_token_reference(kw, decoupled):
     logp, prox, behav, adv, mask = _inputs(len(kw) + 10 * decoupled)
-    cfg = PPOActorConfig(**kw)
+    cfg = LossConfig(**kw)
     prox_in = prox if decoupled else None
     loss, st = ppo_actor_loss(logp, behav, adv, mask, cfg, prox_logprobs=prox_in)
     p = prox if decoupled else behav
@@ -78,11 +79,11 @@ def test_clip_and_dual_clip_hand_computed():
     old = torch.zeros(5)
     adv = T([1.0, -1.0, -1.0, -1.0, 2.0])
     mask = torch.ones(5, dtype=torch.bool)
-    loss, st = ppo_actor_loss(logp, old, adv, mask, PPOActorConfig(eps_clip=0.2))
+    loss, st = ppo_actor_loss(logp, old, adv, mask, LossConfig(eps_clip=0.2))
     # per token: max(-A r, -A clip(r)) = [-1.2, 0.8, 1.5, 5.0, -2.0]
     assert loss.item() == pytest.approx(-1.2 + 0.8 + 1.5 + 5.0 - 2.0, abs=1e-5)
     assert st["clipped_tokens"] == 2  # tokens 0 and 1 use the clipped term
-    loss, st = ppo_actor_loss(logp, old, adv, mask, PPOActorConfig(eps_clip=0.2, dual_clip=3.0))
+    loss, st = ppo_actor_loss(logp, old, adv, mask, LossConfig(eps_clip=0.2, dual_clip=3.0))
     # dual clip bounds the negative-advantage loss at -3A = 3: token 3 goes 5.0 -> 3.0
     assert loss.item() == pytest.approx(-1.2 + 0.8 + 1.5 + 3.0 - 2.0, abs=1e-5)
     assert st["dual_clipped_tokens"] == 1
@@ -92,7 +93,7 @@ def test_decoupled_reduces_to_ppo_when_prox_equals_behaviour_and_gradients_agree
     logp, _, behav, adv, mask = _inputs(3)
     a = logp.clone().requires_grad_(True)
     b = logp.clone().requires_grad_(True)
-    cfg = PPOActorConfig(dual_clip=3.0, behav_imp_weight_cap=5.0)
+    cfg = LossConfig(dual_clip=3.0, behav_imp_weight_cap=5.0)
     la, sa = ppo_actor_loss(a, behav, adv, mask, cfg)
     lb, sb = ppo_actor_loss(b, behav, adv, mask, cfg, prox_logprobs=behav.clone())
     la.backward()
@@ -108,7 +109,7 @@ def test_decoupled_gradient_is_behaviour_weighted_ratio_gradient():
     behav = T([-1.5, -1.8])
     logp = (prox + T([0.05, -0.05])).requires_grad_(True)
     adv = T([1.0, -2.0])
-    loss, _ = ppo_actor_loss(logp, behav, adv, torch.ones(2, dtype=torch.bool), prox_logprobs=prox)
+    loss, _ = ppo_actor_loss(logp, behav, adv, torch.ones(2, dtype=torch.bool), LossConfig(), prox_logprobs=prox)
     loss.backward()
     expect = -adv * torch.exp(prox - behav) * torch.exp(logp.detach() - prox)
     torch.testing.assert_close(logp.grad, expect, atol=1e-6, rtol=0)
@@ -160,8 +161,8 @@ def test_entropy_bonus_and_logprob_helpers():
     torch.testing.assert_close(entropy_from_logits(logits, 0.7), -(p * p.log()).sum(-1), atol=1e-5, rtol=0)
     ent = entropy_from_logits(logits)
     mask = torch.ones(6, dtype=torch.bool)
-    base, _ = ppo_actor_loss(lp, lp, torch.ones(6), mask)
-    with_ent, st = ppo_actor_loss(lp, lp, torch.ones(6), mask, PPOActorConfig(entropy_coef=0.01), entropy=ent)
+    base, _ = ppo_actor_loss(lp, lp, torch.ones(6), mask, LossConfig())
+    with_ent, st = ppo_actor_loss(lp, lp, torch.ones(6), mask, LossConfig(entropy_coef=0.01), entropy=ent)
     assert with_ent.item() == pytest.approx(base.item() - 0.01 * ent.sum().item(), abs=1e-5)
     assert st["entropy_sum"] == pytest.approx(ent.sum().item(), abs=1e-4)
 

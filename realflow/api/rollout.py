@@ -24,13 +24,11 @@ import torch
 
 from realflow.api.batch import SequenceBatch
 from realflow.api.generation import GenServerLimits
+from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REWARDS, VERSIONS
 
 __all__ = ["RolloutSpec", "Trajectory", "rollout_to_batch", "TRAJECTORY_KEYS", "VERSION_ADMIT",
            "VERSION_OLDEST", "VERSION_NEWEST", "WEIGHT_SYNC_MODES", "INTERRUPT_MODES", "RolloutError"]
 
-INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS = (
-    "packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "rewards")
-VERSIONS = "packed_versions"
 #: tensor keys of every trajectory sample (the async graph's source keys)
 TRAJECTORY_KEYS = (INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, VERSIONS)
 #: metadata: the weight version when the rollout was admitted, and of its oldest / newest token

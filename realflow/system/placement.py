@@ -8,9 +8,8 @@ same data moves the same samples.
 from __future__ import annotations
 
 from realflow.api.batch import SequenceBatch
+from realflow.api.keys import INPUT_IDS
 from realflow.system.holders import HolderIndex
-
-TOKEN_KEY = "packed_input_ids"
 
 
 def sample_tokens(batch: SequenceBatch) -> list[int]:
@@ -67,4 +66,4 @@ def assign_to_dp_ranks(batch: SequenceBatch, layout, holders: HolderIndex, slack
 
 def _first_key(batch: SequenceBatch) -> str:
     """The key whose sizes stand for a sample's tokens (and whose holders say where it lives)."""
-    return TOKEN_KEY if TOKEN_KEY in batch.seqlens else sorted(batch.seqlens)[0]
+    return INPUT_IDS if INPUT_IDS in batch.seqlens else sorted(batch.seqlens)[0]

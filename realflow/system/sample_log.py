@@ -18,10 +18,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from realflow.api.batch import SequenceBatch
+from realflow.api.keys import INPUT_IDS, PROMPT_MASK
 
 SAMPLES_DIR = "samples"
-TOKENS_KEY = "packed_input_ids"
-PROMPT_MASK_KEY = "prompt_mask"
 
 
 def samples_dir(run_dir: str) -> str:
@@ -39,17 +38,17 @@ def _plain(value: Any) -> Any:
 
 def sample_records(batch: SequenceBatch, n: int, decode: Optional[Callable[[list[int]], str]] = None) -> list[dict]:
     """The records of the first ``n`` samples of ``batch`` (see the module docstring)."""
-    if TOKENS_KEY not in batch.data or batch.data[TOKENS_KEY] is None:
+    if INPUT_IDS not in batch.data or batch.data[INPUT_IDS] is None:
         return []
     scalars = [k for k, per in batch.seqlens.items()  # one value per sequence: rewards, masks, ...
-               if k not in (TOKENS_KEY, PROMPT_MASK_KEY) and batch.data[k] is not None
+               if k not in (INPUT_IDS, PROMPT_MASK) and batch.data[k] is not None
                and all(x == 1 for lens in per for x in lens)]
     records = []
     for i, sid in enumerate(batch.ids[:n]):
         seqs = []
-        masks = batch.sequences(PROMPT_MASK_KEY, i) if PROMPT_MASK_KEY in batch.data else None
+        masks = batch.sequences(PROMPT_MASK, i) if PROMPT_MASK in batch.data else None
         values = {k: batch.sequences(k, i) for k in scalars}
-        for j, ids_t in enumerate(batch.sequences(TOKENS_KEY, i)):
+        for j, ids_t in enumerate(batch.sequences(INPUT_IDS, i)):
             ids = ids_t.tolist()
             seq: dict[str, Any] = {"input_ids": ids}
             if masks is not None:

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from realflow.api.deploy import DeploySpec, RayConfig, RecoverSpec, SlurmConfig
 from realflow.api.mfc import MFCDef
+from realflow.api.model_options import LoRAConfig, TrainingMemoryConfig
 from realflow.api.rollout import RolloutSpec
 from realflow.api.registry import Registry
 from realflow.base.devices import PRECISIONS
@@ -87,6 +88,9 @@ class ModelSpec:
     #: the HF config (as a dict) the checkpoint at ``path`` will have once ``prepare()`` made it,
     #: so that layouts are checked before a slow preparation (e.g. training the SFT start)
     expected_config: Optional[dict[str, Any]] = None
+    #: LoRA adapters (``enabled=False``: full fine-tuning) and memory trades of a trained model
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    training: TrainingMemoryConfig = field(default_factory=TrainingMemoryConfig)
 
 
 @dataclass

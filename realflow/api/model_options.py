@@ -1,0 +1,93 @@
+"""How a model is trained to fit memory: LoRA adapters, activation recompute, optimizer offload.
+
+These are user keys (``model.lora.*``, ``training.*``) carried per model on
+:class:`realflow.api.experiment.ModelSpec`, so one run may give its actor LoRA and its critic
+full fine-tuning. The backend (``parallel/``) reads them; nothing here imports it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LoRAConfig", "TrainingMemoryConfig", "LORA_TARGETS", "LORA_INITS", "RECOMPUTE_MODES"]
+
+#: HF module names LoRA may target (Qwen2/Qwen3/Llama), each a part of one fused megatron linear
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: PEFT's ``init_lora_weights``: default (A kaiming-uniform, B zero), gaussian (A normal 1/r, B zero)
+LORA_INITS = ("default", "gaussian")
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the model's linears (PEFT's LoRA: ``W x + (alpha / r) B A x``)."""
+
+    enabled: bool = field(default=False, metadata={
+        "help": "train LoRA adapters instead of the whole model (the base is frozen; the KL reference "
+                "is the base with adapters off; weight updates carry the adapters only)"})
+    r: int = field(default=16, metadata={"help": "adapter rank"})
+    alpha: float = field(default=32.0, metadata={"help": "scaling numerator: updates are (alpha / r) B A"})
+    dropout: float = field(default=0.05, metadata={"help": "dropout on the adapters' input (training only)"})
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      metadata={"help": "HF module names: " + ", ".join(LORA_TARGETS)
+                                                + " (or all-linear)"})
+    init: str = field(default="default", metadata={"help": "adapter init as PEFT's init_lora_weights: "
+                                                           + " | ".join(LORA_INITS)})
+    path: str = field(default="", metadata={
+        "help": "a PEFT adapter directory to start from (adapter_config.json + adapter_model.safetensors)"})
+    save_merged: bool = field(default=False, metadata={
+        "help": "also write a merged HF checkpoint beside the adapter when the model is saved"})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target_modules, str):
+            self.target_modules = [t.strip() for t in self.target_modules.split(",") if t.strip()]
+        if list(self.target_modules) == ["all-linear"]:
+            self.target_modules = list(LORA_TARGETS)
+        if not self.enabled:
+            return
+        if not isinstance(self.r, int) or isinstance(self.r, bool) or self.r < 1:
+            raise ValueError(f"model.lora.r={self.r!r} must be an integer >= 1 (e.g. 16)")
+        if not self.alpha > 0:
+            raise ValueError(f"model.lora.alpha={self.alpha!r} must be > 0 (e.g. 2 * r)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.lora.dropout={self.dropout!r} must be in [0, 1)")
+        if self.init not in LORA_INITS:
+            raise ValueError(f"model.lora.init={self.init!r} must be one of {', '.join(LORA_INITS)}")
+        if not self.target_modules:
+            raise ValueError(f"model.lora.target_modules is empty; name some of {', '.join(LORA_TARGETS)}")
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if unknown:
+            import difflib
+
+            near = sorted({c for t in unknown for c in difflib.get_close_matches(t, LORA_TARGETS, 3, 0.5)})
+            raise ValueError(f"model.lora.target_modules names {unknown}, which are no module of this model; "
+                             f"{'did you mean ' + ', '.join(near) + '? ' if near else ''}"
+                             f"valid: {', '.join(LORA_TARGETS)} (or all-linear)")
+
+    @property
+    def scaling(self) -> float:
+        return float(self.alpha) / float(self.r)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"r": self.r, "alpha": self.alpha, "dropout": self.dropout,
+                "target_modules": list(self.target_modules), "init": self.init}
+
+
+@dataclass
+class TrainingMemoryConfig:
+    """Memory-for-time trades of a trained model."""
+
+    gradient_checkpointing: str = field(default="none", metadata={
+        "help": "recompute activations in the backward: none | full (whole layers) | selective "
+                "(the attention core only)"})
+    optimizer_offload: bool = field(default=False, metadata={
+        "help": "keep the optimizer state in pinned host memory between train steps (GPU; a no-op on CPU)"})
+    offload_master_weights: bool = field(default=False, metadata={
+        "help": "with optimizer_offload: the fp32 master weights live on the host too"})
+
+    def __post_init__(self) -> None:
+        if self.gradient_checkpointing not in RECOMPUTE_MODES:
+            raise ValueError(f"training.gradient_checkpointing={self.gradient_checkpointing!r} must be one of "
+                             f"{', '.join(RECOMPUTE_MODES)}")
+        if self.offload_master_weights and not self.optimizer_offload:
+            raise ValueError("training.offload_master_weights=true needs training.optimizer_offload=true")

@@ -43,6 +43,8 @@ import torch.distributed as dist
 
 from parallel.cpu_compat import apply_cpu_compat
 from parallel.engine_generator import build_colocated_generator
+from parallel.engine_lora import adapter_hf_state, load_adapter, refresh_merged, save_lora
+from parallel.lora import LoRAModel, attach_lora
 from parallel.groups import ModelGroups
 from parallel.hf_io import CheckpointError, gather_hf_state, save_hf_checkpoint
 from parallel.hf_layout import execute_hf_load, gather_hf_state_any, plan_hf_load
@@ -68,6 +70,7 @@ from parallel.pipeline import (
 from parallel.packing import check_packed
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.engine import BatchGenerator, LossFn, MicroBatches
+from realflow.api.model_options import LoRAConfig, TrainingMemoryConfig
 from realflow.api.padded_partition import padded_partition
 from realflow.base.devices import to_device, to_host
 
@@ -103,6 +106,8 @@ class MegatronEngine:
         config_overrides: Optional[dict[str, Any]] = None,
         attention: str = "sdpa",
         critic: bool = False,
+        lora: Optional[LoRAConfig] = None,
+        training: Optional[TrainingMemoryConfig] = None,
     ) -> None:
         if not groups.is_member:
             raise ValueError(f"MegatronEngine: this rank is not one of the model ranks {groups.ranks}")
@@ -116,12 +121,21 @@ class MegatronEngine:
         # Same seed on every rank: replicated params start identical even without
         # a checkpoint; the tracker gives tp ranks distinct model-parallel streams.
         seed_megatron_rng(seed, groups.tp_rank)
+        lora = lora if lora is not None and lora.enabled else None
+        self.training_memory = training or TrainingMemoryConfig()
         self.module, self.arch = build_gpt_model(self.hf_config, groups, attention=attention,
-                                                 config_overrides=config_overrides, critic=critic)
+                                                 config_overrides=config_overrides, critic=critic,
+                                                 use_te=False if lora else None)
         self.config = self.module.config
         self.device = next(self.module.parameters()).device
+        self.base_path = init_checkpoint or ""
+        self.lora: Optional[LoRAModel] = None
+        if lora is not None:
+            self.lora = attach_lora(self.module, lora, self.hf_config, self.arch, groups, seed)
         if init_checkpoint:
             self._load(init_checkpoint)
+        if self.lora is not None and lora.path:
+            load_adapter(self, lora.path)
         self.optimizer_config = optimizer_config
         self.optimizer = self.scheduler = None
         self.model: torch.nn.Module = self.module
@@ -364,6 +378,8 @@ class MegatronEngine:
         if gen is None:
             gen = self._generator = build_colocated_generator(self, context, tokenizer, max_running)
         if gen.weight_version != version:
+            if self.lora is not None:
+                refresh_merged(self)  # the generator samples from W + (alpha/r) B A
             gen.weights_updated(version)
         return gen
 
@@ -557,11 +573,48 @@ class MegatronEngine:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def full_hf_state(self) -> Optional[dict[str, torch.Tensor]]:
+    def full_hf_state(self, adapters_merged: bool = True) -> Optional[dict[str, torch.Tensor]]:
         """The whole model under HF names (CPU) on the writer (dp 0, tp 0, pp 0), None
-        elsewhere.  Collective over the model's ranks of dp replica 0."""
-        return gather_hf_state_any(self.module, self.groups, self.hf_config, self.arch,
-                                   critic=self.critic)
+        elsewhere.  Collective over the model's ranks of dp replica 0.  With LoRA the adapters
+        are merged into the weights (as PEFT merges them) unless ``adapters_merged=False``."""
+        state = gather_hf_state_any(self.module, self.groups, self.hf_config, self.arch,
+                                    critic=self.critic)
+        if self.lora is None or not adapters_merged:
+            return state
+        adapters = adapter_hf_state(self)
+        if state is not None:
+            from parallel.lora_io import merge_into_hf
+
+            state.update(merge_into_hf(state, adapters, self.lora.cfg.scaling))
+        return state
+
+    # ------------------------------------------------------------------ LoRA
+
+    @property
+    def has_adapters(self) -> bool:
+        """True when this engine trains LoRA adapters on a frozen base."""
+        return self.lora is not None
+
+    def adapters_disabled(self) -> Any:
+        """Context manager: forwards inside run the base model (the KL reference of a LoRA run)."""
+        if self.lora is None:
+            raise RuntimeError("adapters_disabled() on an engine without LoRA adapters")
+        return self.lora.disabled()
+
+    def generation_weights(self) -> dict[str, torch.Tensor]:
+        """Megatron-named tensors a colocated generator samples from (LoRA: merged weights)."""
+        if self.lora is None:
+            return dict(self.module.named_parameters())
+        from parallel.engine_lora import generation_weights
+
+        return generation_weights(self)
+
+    def adapter_state(self) -> Optional[dict[str, torch.Tensor]]:
+        """The adapters under PEFT's names on the writer (dp 0, tp 0, pp 0), None elsewhere
+        (collective over dp replica 0): what a weight update of a LoRA run carries."""
+        if self.lora is None:
+            raise RuntimeError("adapter_state() on an engine without LoRA adapters")
+        return adapter_hf_state(self)
 
     def full_hf_grads(self) -> Optional[dict[str, torch.Tensor]]:
         """The last step's reduced gradients under HF names on the writer (dp == 1 only:
@@ -569,6 +622,8 @@ class MegatronEngine:
         gradient).  For tests and debugging."""
         if self.groups.strategy.dp != 1 or self.optimizer is None:
             raise RuntimeError("full_hf_grads needs a trainable engine with dp == 1")
+        if self.lora is not None:
+            return adapter_hf_state(self, grads=True)
         return gather_hf_state_any(self.module, self.groups, self.hf_config, self.arch,
                                    critic=self.critic, tensor_of=lambda p: p.main_grad,
                                    dtype=torch.float32)
@@ -576,7 +631,10 @@ class MegatronEngine:
     def save_hf(self, path: str, tokenizer_dir: Optional[str] = None) -> None:
         """Save ONE HF checkpoint from any layout. Collective over the model's ranks: every
         rank calls it, the writer (dp 0, tp 0, pp 0) writes, all return once it exists.
-        A critic is saved as ``*ForTokenClassification`` with ``num_labels=1``."""
+        A critic is saved as ``*ForTokenClassification`` with ``num_labels=1``.  With LoRA,
+        ``path`` becomes a PEFT adapter directory (plus ``path/merged`` with ``save_merged``)."""
+        if self.lora is not None:
+            return save_lora(self, path, tokenizer_dir, self.base_path)
         state = self.full_hf_state()
         if state is not None:
             cfg = self.hf_config

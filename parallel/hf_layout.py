@@ -219,19 +219,21 @@ def execute_hf_load(model: torch.nn.Module, plan: HFLoadPlan, hf_config: Any, ar
 def gather_hf_state_any(model: torch.nn.Module, groups: Any, hf_config: Any, arch: HFArch,
                         critic: bool = False,
                         tensor_of: Optional[Callable[[torch.nn.Parameter], torch.Tensor]] = None,
-                        dtype: Optional[torch.dtype] = None) -> Optional[dict[str, torch.Tensor]]:
+                        dtype: Optional[torch.dtype] = None,
+                        table: Optional[list[ParamMapping]] = None) -> Optional[dict[str, torch.Tensor]]:
     """The whole model as HF-named CPU tensors on the writer (dp 0, tp 0, pp 0); None elsewhere.
 
     Collective over the ranks of dp replica 0 (other replicas return None at once).
     ``tensor_of`` picks what to gather per parameter (default: its data; e.g.
     ``lambda p: p.main_grad`` for gradients); ``dtype`` is the wire/result dtype
-    (default: the parameters' dtype).
+    (default: the parameters' dtype); ``table`` the rows to gather (default: the model's own;
+    e.g. :func:`parallel.lora.lora_param_table` for LoRA adapters).
     """
     if groups.dp_rank != 0:
         return None
     s = groups.strategy
     tensor_of = tensor_of or (lambda p: p.detach())
-    table = model_param_table(hf_config, arch, critic)
+    table = model_param_table(hf_config, arch, critic) if table is None else table
     ng = _num_query_groups(hf_config)
     num_layers = int(_get(hf_config, "num_hidden_layers"))
     params = _named_params(model)

@@ -187,7 +187,8 @@ class GenerationEngine:
         """Share the parameters of a :class:`parallel.engine.MegatronEngine` (pp = 1)."""
         groups = engine.groups
         tp_group = groups.tp_group if groups.strategy.tp > 1 else None
-        return cls(engine.hf_config, dict(engine.module.named_parameters()), config,
+        weights = engine.generation_weights()  # LoRA: merged copies of the adapted linears
+        return cls(engine.hf_config, weights, config,
                    tp_group=tp_group, tokenizer=tokenizer, version=getattr(engine, "version", 0))
 
     # ------------------------------------------------------------ properties

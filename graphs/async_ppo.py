@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphs.ppo import ACTOR, REF
+from graphs.ppo import ACTOR, ref_model
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import register_graph
 from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROX_LOGPROBS, REF_LOGPROBS, REWARDS
@@ -30,6 +30,7 @@ from realflow.api.mfc import MFCDef, ModelInterfaceType
 class AsyncPPOGraphConfig:
     batch_size: int  # rollouts per step (each a group of sequences)
     use_ref: bool = False
+    ref_from_actor_base: bool = False  # LoRA actor: the reference is its base with adapters off
     inf_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     train_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     actor_args: dict[str, Any] = field(default_factory=dict)
@@ -45,8 +46,8 @@ def build_async_ppo_graph(cfg: AsyncPPOGraphConfig) -> list[MFCDef]:
                    interface_args=actor_args, input_keys=(INPUT_IDS,), output_keys=(PROX_LOGPROBS,),
                    n_seqs=cfg.batch_size, mb_spec=cfg.inf_mb)]
     if cfg.use_ref:
-        ref_args = {"temperature": cfg.actor_args["temperature"]} if "temperature" in cfg.actor_args else {}
-        mfcs.append(MFCDef(name="ref_inf", model_name=REF, interface_type=I, interface_impl="ppo_ref",
+        role, ref_args = ref_model(cfg.actor_args, cfg.ref_from_actor_base)
+        mfcs.append(MFCDef(name="ref_inf", model_name=role, interface_type=I, interface_impl="ppo_ref",
                            interface_args=ref_args, input_keys=(INPUT_IDS,), output_keys=(REF_LOGPROBS,),
                            n_seqs=cfg.batch_size, mb_spec=cfg.inf_mb))
         train_in.append(REF_LOGPROBS)

@@ -42,6 +42,8 @@ class PPOGraphConfig:
     use_critic: bool = True
     use_ref: bool = True
     ref_ema_eta: float | None = None  # set: ref <- eta*actor + (1-eta)*ref after each actor update
+    #: the actor trains LoRA adapters: the reference is the actor's base with adapters off (no REF model)
+    ref_from_actor_base: bool = False
     gen_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     inf_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     train_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
@@ -57,6 +59,18 @@ def _mfc(name: str, role: str, kind: ModelInterfaceType, impl: str, args: dict, 
                   n_seqs=cfg.batch_size, mb_spec=mb, **kw)
 
 
+def ref_model(actor_args: dict[str, Any], from_actor_base: bool,
+              ema_eta: float | None = None) -> tuple[str, dict[str, Any]]:
+    """(role, interface args) of ``ref_inf``: the REF model, or the actor with its LoRA adapters off."""
+    args: dict[str, Any] = {"temperature": actor_args["temperature"]} if "temperature" in actor_args else {}
+    if not from_actor_base:
+        return REF, args
+    if ema_eta is not None:
+        raise ValueError("ref_ema_eta (an EMA reference) needs its own REF model; with LoRA the reference is "
+                         "the actor's frozen base (set ref_ema_eta=None or model.lora.enabled=false)")
+    return ACTOR, {**args, "adapters_off": True}
+
+
 def build_ppo_family(cfg: PPOGraphConfig) -> list[MFCDef]:
     """The MFCs of PPO (with critic) or GRPO-style training (without)."""
     G, I, T = ModelInterfaceType.GENERATE, ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
@@ -69,8 +83,8 @@ def build_ppo_family(cfg: PPOGraphConfig) -> list[MFCDef]:
              [REWARDS], cfg, cfg.inf_mb),
     ]
     if cfg.use_ref:
-        ref_args = {"temperature": cfg.actor_args["temperature"]} if "temperature" in cfg.actor_args else {}
-        mfcs.append(_mfc("ref_inf", REF, I, "ppo_ref", ref_args, [INPUT_IDS], [REF_LOGPROBS], cfg, cfg.inf_mb))
+        role, ref_args = ref_model(cfg.actor_args, cfg.ref_from_actor_base, cfg.ref_ema_eta)
+        mfcs.append(_mfc("ref_inf", role, I, "ppo_ref", ref_args, [INPUT_IDS], [REF_LOGPROBS], cfg, cfg.inf_mb))
         train_in.append(REF_LOGPROBS)
     if cfg.use_critic:
         mfcs.append(_mfc("critic_inf", CRITIC, I, "ppo_critic", cfg.critic_args, [INPUT_IDS], [VALUES],

@@ -17,6 +17,7 @@ from mfc.ppo_actor import knobs_for, logprobs_batch
 from mfc.ppo_config import PPOConfig
 from mfc.rl_batch import KLPenalty, flat_seqlens, run_ppo_updates
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
+from realflow.api.engine import has_adapters
 from realflow.api.interface import Model, ModelInterface, register_interface
 from realflow.api.keys import INPUT_IDS, REF_LOGPROBS, VALUES
 
@@ -79,6 +80,15 @@ class PPORefInterface(ModelInterface):
     actor's sampling temperature so that the KL compares the same kind of distribution."""
 
     temperature: float = 1.0
+    #: run on the actor's engine with its LoRA adapters off: the base model is the reference
+    adapters_off: bool = False
 
     def inference(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> Optional[SequenceBatch]:
-        return logprobs_batch(model, batch, mb_spec, REF_LOGPROBS, self.temperature)
+        if not self.adapters_off:
+            return logprobs_batch(model, batch, mb_spec, REF_LOGPROBS, self.temperature)
+        engine = model.module
+        if not has_adapters(engine):
+            raise ValueError(f"ppo_ref with adapters_off=True runs on a model that trains LoRA adapters; "
+                             f"model {model.name!r} has none (enable model.lora or give the reference its own model)")
+        with engine.adapters_disabled():
+            return logprobs_batch(model, batch, mb_spec, REF_LOGPROBS, self.temperature)

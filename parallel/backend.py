@@ -50,7 +50,8 @@ class MegatronBackend:
         return MegatronEngine(spec.path, groups, spec.path if load_weights else None, opt, seed,
                               config_overrides=_config_overrides(spec),
                               attention=spec.backend_args.get("attention", "sdpa"),
-                              critic=bool(spec.backend_args.get("critic", False)))
+                              critic=bool(spec.backend_args.get("critic", False)),
+                              lora=_lora_for_layout(spec, load_weights))
 
     # ---- parameter reallocation and offload (runtime hooks) ------------------------------------
 
@@ -74,7 +75,8 @@ class MegatronBackend:
         plan = plan_reallocation(
             AutoConfig.from_pretrained(src_spec.path),
             src_layout, dst_layout,
-            dst_hf_config=AutoConfig.from_pretrained(dst_spec.path), hosts=self._hosts)
+            dst_hf_config=AutoConfig.from_pretrained(dst_spec.path), hosts=self._hosts,
+            lora=_lora_of(src_spec, dst_spec))
         return plan, prepare_reallocation(plan)
 
     def reallocate(self, handle: Any, src: Optional[TrainEngine], dst: Optional[TrainEngine],
@@ -218,6 +220,29 @@ def _model_desc(cfg: dict[str, Any]) -> str:
     return (f"{cfg.get('model_type')}, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
             f"{cfg['num_attention_heads']} heads / {cfg.get('num_key_value_heads') or cfg['num_attention_heads']} "
             f"KV heads, vocab {'of the tokenizer' if cfg.get('vocab_size_unknown') else cfg['vocab_size']}")
+
+
+def _lora_for_layout(spec: Any, load_weights: bool) -> Any:
+    """The model's LoRA settings; a layout whose weights arrive by reallocation does not read
+    the starting adapter (it receives the trained one)."""
+    lora = getattr(spec, "lora", None)
+    if lora is None or not lora.enabled or load_weights or not lora.path:
+        return lora
+    import dataclasses
+
+    return dataclasses.replace(lora, path="")
+
+
+def _lora_of(src_spec: Any, dst_spec: Any) -> Any:
+    """The adapters a reallocation moves: both sides must agree on them (one model, two layouts)."""
+    a, b = getattr(src_spec, "lora", None), getattr(dst_spec, "lora", None)
+    a = a if a is not None and a.enabled else None
+    b = b if b is not None and b.enabled else None
+    if (a is None) != (b is None) or (a is not None and a.as_dict() != b.as_dict()):
+        raise LayoutError(f"reallocation {src_spec.role} -> {dst_spec.role}: LoRA settings differ "
+                          f"({a.as_dict() if a else 'off'} vs {b.as_dict() if b else 'off'}); a model's layouts share "
+                          f"its adapters, and a LoRA model cannot feed a full model's weights")
+    return a
 
 
 def _config_overrides(spec: Any) -> dict[str, Any]:

@@ -88,6 +88,17 @@ def _table_signature(hf_config: Any) -> list[tuple]:
         ("tie_word_embeddings", arch.tie_word_embeddings)]
 
 
+def _full_table(hf_config: Any, lora: Any) -> list:
+    """The model's rows, plus its LoRA adapters' when it trains them."""
+    arch = hf_arch(hf_config, tp_size=1)
+    table = param_table(hf_config, arch)
+    if lora is not None and getattr(lora, "enabled", False):
+        from parallel.lora import lora_param_table
+
+        table = table + lora_param_table(hf_config, arch, lora)
+    return table
+
+
 def _check_compatible(src_cfg: Any, dst_cfg: Any) -> None:
     a, b = _table_signature(src_cfg), _table_signature(dst_cfg)
     for x, y in zip(a, b):
@@ -107,6 +118,7 @@ def plan_reallocation(
     dst_dtype: Optional[torch.dtype] = None,
     dst_hf_config: Any = None,
     hosts: Optional[Sequence[str] | dict[int, str]] = None,
+    lora: Any = None,
 ) -> ReallocPlan:
     """Plan moving a model from layout ``src`` to layout ``dst`` (pure; same result on every rank).
 
@@ -114,7 +126,8 @@ def plan_reallocation(
     the same; a different one casts on arrival).  ``dst_hf_config`` (default: the same
     config) must describe the same parameter table, else :class:`ReallocError`.
     ``hosts`` maps global rank -> host name (list indexed by rank, or dict; from
-    :func:`parallel.realloc.sync.gather_hosts`); None means one host.
+    :func:`parallel.realloc.sync.gather_hosts`); None means one host.  ``lora`` (an enabled
+    :class:`realflow.api.model_options.LoRAConfig`): the adapters move too, as table rows.
     """
     if not isinstance(src, Layout) or not isinstance(dst, Layout):
         raise TypeError(f"plan_reallocation: src/dst must be Layout, got {type(src).__name__}/"
@@ -135,8 +148,9 @@ def plan_reallocation(
     missing = [r for r in members if r not in host_map]
     if missing:
         raise ReallocError(f"plan_reallocation: no host known for ranks {missing}")
-    src_shards = shard_spec(hf_config, src)
-    dst_shards = shard_spec(dst_hf_config if dst_hf_config is not None else hf_config, dst)
+    table = _full_table(hf_config, lora)
+    src_shards = shard_spec(hf_config, src, table)
+    dst_shards = shard_spec(dst_hf_config if dst_hf_config is not None else hf_config, dst, table)
 
     holders: dict[str, list[tuple[int, LocalShard]]] = defaultdict(list)
     for r in src.workers:
@@ -166,7 +180,7 @@ def plan_reallocation(
                                        piece.local_lo + a - piece.lo, b - a, path))
     copies = _merge(copies)
     plan = ReallocPlan(src, dst, src_shards, dst_shards, copies, {r: host_map[r] for r in members},
-                       dtype, dst_dtype, table=param_table(hf_config, hf_arch(hf_config, tp_size=1)),
+                       dtype, dst_dtype, table=table,
                        members=members)
     plan.fingerprint = _fingerprint(plan)
     return plan

@@ -32,7 +32,7 @@ from realflow.api.generation import GenerationResult, SamplingParams
 
 __all__ = [
     "TrainEngine", "TokenOutputs", "BatchGenerator", "LossFn", "MicroBatches",
-    "NonFiniteConfigurable", "check_engine", "protocol_members",
+    "NonFiniteConfigurable", "AdapterEngine", "has_adapters", "check_engine", "protocol_members",
 ]
 
 
@@ -161,6 +161,29 @@ class NonFiniteConfigurable(Protocol):
     def configure_nonfinite(self, mode: str, max_skips: int) -> None:
         """``stop`` (raise) or ``skip`` (apply no update, at most ``max_skips`` steps in a row)."""
         ...
+
+
+@runtime_checkable
+class AdapterEngine(Protocol):
+    """An engine that trains low-rank adapters on a frozen base (``model.lora.enabled``)."""
+
+    @property
+    def has_adapters(self) -> bool:
+        """True when this engine's model trains adapters (its base is frozen)."""
+        ...
+
+    def adapters_disabled(self) -> Any:
+        """Context manager: forwards inside it run the base model (the KL reference of a LoRA run)."""
+        ...
+
+    def adapter_state(self) -> Optional[dict[str, Any]]:
+        """The adapters under PEFT's names on one writer rank (None elsewhere; collective)."""
+        ...
+
+
+def has_adapters(engine: Any) -> bool:
+    """True when ``engine`` trains LoRA adapters (and so offers :class:`AdapterEngine`)."""
+    return isinstance(engine, AdapterEngine) and bool(engine.has_adapters)
 
 
 _PROTOCOL_BASES = frozenset({"Protocol", "Generic", "object"})

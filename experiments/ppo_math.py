@@ -23,6 +23,7 @@ from experiments.tasks.registry import get_task
 from graphs.ppo import ACTOR, CRITIC, REF, REWARD, PPOGraphConfig
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
+from realflow.api.model_options import LoRAConfig
 from realflow.base.hf_models import describe_supported, resolve_checked_model, resolve_model_path
 from realflow.api.experiment import (BaseExperimentConfig, DatasetSpec, EvalSpec, ExperimentSetup,
                                      GroupFilterSpec, ModelSpec, OptimizerConfig, register_experiment)
@@ -43,6 +44,9 @@ class RLModelConfig:
     critic_path: str = field(default="", metadata={"help": "critic init, directory or hub id ('' = the actor's "
                                                            "trunk, fresh value head)"})
     tokenizer_path: str = field(default="", metadata={"help": "tokenizer directory or hub id ('' = the actor's)"})
+    lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={
+        "help": "LoRA adapters on the actor (model.lora.enabled=true): the base stays frozen, the KL reference is "
+                "the base with adapters off, and weight updates carry the adapters only"})
 
 
 @dataclass
@@ -177,9 +181,10 @@ class _RLBase(BaseExperimentConfig):
         if h.estimator == "gae" and not use_critic:
             raise ValueError(f"ppo.estimator=gae needs a critic, and experiment={self._name} has none "
                              f"(use experiment=ppo-math, or an outcome estimator: grpo | rloo | reinforce++)")
+        lora = self.model.lora
         gcfg = PPOGraphConfig(
             batch_size=self.batch_size, n_samples=h.n_samples, use_critic=use_critic, use_ref=h.kl_coef > 0,
-            ref_ema_eta=h.ref_ema_eta,
+            ref_ema_eta=h.ref_ema_eta, ref_from_actor_base=lora.enabled,
             gen_mb=MicroBatchSpec(), inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             actor_args={**h.actor_args(), "seed": self.seed},
@@ -189,10 +194,10 @@ class _RLBase(BaseExperimentConfig):
         mfcs = graph_registry.get(self._graph)(gcfg)
         models = {
             ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
-                             expected_config=planned),
+                             expected_config=planned, lora=lora),
             REWARD: ModelSpec(role=REWARD, path=tok, tokenizer_path=tok, backend="none"),
         }
-        if gcfg.use_ref:
+        if gcfg.use_ref and not lora.enabled:
             models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok, expected_config=planned)
         if use_critic:
             critic = (resolve_checked_model(self.model.critic_path, self.model.revision, "model.critic_path")

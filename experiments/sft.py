@@ -16,6 +16,7 @@ from experiments.data_config import UserDataConfig, context_length
 from experiments.init_model import TinyArchConfig, ensure_random_checkpoint, planned_hf_config
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
+from realflow.api.model_options import LoRAConfig
 from realflow.api.experiment import (
     BaseExperimentConfig,
     DatasetSpec,
@@ -37,6 +38,8 @@ class SFTModelConfig:
     tokenizer_path: str = field(default="", metadata={
         "help": "tokenizer directory or hub id ('' = model.path, or the task's own)"})
     arch: TinyArchConfig = field(default_factory=TinyArchConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={
+        "help": "train LoRA adapters (model.lora.enabled=true) on the frozen model; saves a PEFT adapter"})
 
 
 @dataclass
@@ -201,7 +204,8 @@ class SFTConfig(BaseExperimentConfig):
             trial_name=self.trial_name,
             mfcs=mfcs,
             models={"default": ModelSpec(role="default", path=model, tokenizer_path=tok, optimizer=self.optimizer,
-                                         expected_config=None if self.model.path else planned_hf_config(self.model.arch))},
+                                         expected_config=None if self.model.path else planned_hf_config(self.model.arch),
+                                         lora=self.model.lora)},
             dataset=DatasetSpec(format="sft", path=train, args=data_args),
             n_workers=self.n_workers,
             allocation=self.allocation or f"d{self.n_workers}",

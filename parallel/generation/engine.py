@@ -29,6 +29,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from parallel.generation.adapters import AdapterMerger
 from parallel.generation.decoder import Decoder, KVCache
 from parallel.generation.kv_budget import fit_slots, free_bytes, slot_bytes
 from parallel.generation.sampler import SampleBatch, sample
@@ -157,6 +158,7 @@ class GenerationEngine:
         self.steps = 0
         self.busy_seconds = 0.0
         self._staged: Optional[tuple[int, DecoderWeights]] = None  # see stage_weights_from_tensors
+        self.adapters = AdapterMerger("")  # LoRA updates merge into the base (set by from_hf)
 
     # ------------------------------------------------------------ construction
 
@@ -178,8 +180,9 @@ class GenerationEngine:
         target = worker_device() if device is None else torch.device(device)
         if target.type != "cpu":
             weights = {k: v.to(target) for k, v in weights.items()}
-        return cls(hf_config, weights, config,
-                   tp_group=tp_group, tokenizer=tokenizer, version=version)
+        engine = cls(hf_config, weights, config, tp_group=tp_group, tokenizer=tokenizer, version=version)
+        engine.adapters = AdapterMerger(path)
+        return engine
 
     @classmethod
     def from_megatron(cls, engine: Any, config: Optional[EngineConfig] = None, *,
@@ -359,6 +362,11 @@ class GenerationEngine:
         self._retract()
         self.version = v
         return v
+
+    def merged_adapter_update(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+        """HF tensors of an adapter-only (LoRA) update merged into the base this engine was loaded
+        from (:mod:`parallel.generation.adapters`); stage or apply them as any HF update."""
+        return self.adapters.merged(adapters, float(scaling))
 
     def _to_local(self, tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
         if fmt == "hf":

@@ -47,6 +47,9 @@ class RLModelConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={
         "help": "LoRA adapters on the actor (model.lora.enabled=true): the base stays frozen, the KL reference is "
                 "the base with adapters off, and weight updates carry the adapters only"})
+    critic_lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={
+        "help": "LoRA adapters on the critic (ppo-math); needs a critic checkpoint with a value head "
+                "(model.critic_path), since a fresh head would stay a frozen random projection"})
 
 
 @dataclass
@@ -204,6 +207,7 @@ class _RLBase(BaseExperimentConfig):
                       if self.model.critic_path else actor)
             models[CRITIC] = ModelSpec(role=CRITIC, path=critic, tokenizer_path=tok,
                                        optimizer=self.critic_optimizer, backend_args={"critic": True},
+                                       lora=self.model.critic_lora,
                                        expected_config=None if self.model.critic_path else planned)
         data_args = self.data_args()
         return ExperimentSetup(

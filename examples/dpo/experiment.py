@@ -23,6 +23,7 @@ from examples.dpo.reference import write_with_reference
 from examples.pair_experiment import PairExperimentBase
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
+from realflow.api.model_options import LoRAConfig
 from realflow.api.experiment import DatasetSpec, EvalSpec, ExperimentSetup, ModelSpec, OptimizerConfig, \
     register_experiment
 
@@ -34,6 +35,8 @@ class DPOConfig(PairExperimentBase):
 
     beta: float = field(default=0.1, metadata={"help": "DPO temperature: scale of the implicit reward"})
     ref_offload: bool = field(default=False, metadata={"help": "offload the reference after each call"})
+    lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={
+        "help": "train LoRA adapters (lora.enabled=true): the reference is the frozen start with adapters off"})
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(
         lr=5e-4, weight_decay=0.0, warmup_steps_proportion=0.05, lr_scheduler_type="constant"))
     total_train_epochs: int = field(default=3, metadata={"help": "passes over the pairs"})
@@ -65,10 +68,12 @@ class DPOConfig(PairExperimentBase):
         return ExperimentSetup(
             experiment_name=self.experiment_name or self._name,
             trial_name=self.trial_name,
-            mfcs=graph_registry.get("dpo")(self.batch_size, mb_spec, beta=self.beta, ref_offload=self.ref_offload),
+            mfcs=graph_registry.get("dpo")(self.batch_size, mb_spec, beta=self.beta, ref_offload=self.ref_offload,
+                                           ref_from_actor_base=self.lora.enabled),
             models={ACTOR: ModelSpec(role=ACTOR, path=start, tokenizer_path=start, optimizer=self.optimizer,
-                                     expected_config=planned),
-                    REF: ModelSpec(role=REF, path=start, tokenizer_path=start, expected_config=planned)},
+                                     expected_config=planned, lora=self.lora),
+                    **({} if self.lora.enabled else
+                       {REF: ModelSpec(role=REF, path=start, tokenizer_path=start, expected_config=planned)})},
             dataset=DatasetSpec(format="preference", path=train, args=data_args),
             n_workers=self.n_workers,
             allocation=self.allocation or f"d{self.n_workers}",

@@ -21,12 +21,16 @@ REF_LOGPROBS = "packed_ref_logprobs"
 
 @register_graph("dpo")
 def build_dpo_graph(batch_size: int, mb_spec: MicroBatchSpec, beta: float = 0.1,
-                    ref_offload: bool = False) -> list[MFCDef]:
+                    ref_offload: bool = False, ref_from_actor_base: bool = False) -> list[MFCDef]:
+    """``ref_from_actor_base``: the policy trains LoRA adapters, so the reference is the policy's own
+    frozen base with the adapters off (no second model)."""
+    ref_role, ref_args = (ACTOR, {"temperature": 1.0, "adapters_off": True}) if ref_from_actor_base \
+        else (REF, {"temperature": 1.0})
     return [
-        MFCDef(name="ref_inf", model_name=REF, interface_type=ModelInterfaceType.INFERENCE,
-               interface_impl="ppo_ref", interface_args={"temperature": 1.0},
+        MFCDef(name="ref_inf", model_name=ref_role, interface_type=ModelInterfaceType.INFERENCE,
+               interface_impl="ppo_ref", interface_args=ref_args,
                input_keys=("packed_input_ids",), output_keys=(REF_LOGPROBS,), n_seqs=batch_size,
-               mb_spec=mb_spec, post_hooks=[OffloadHook()] if ref_offload else []),
+               mb_spec=mb_spec, post_hooks=[OffloadHook()] if ref_offload and not ref_from_actor_base else []),
         MFCDef(name="dpo_train", model_name=ACTOR, interface_type=ModelInterfaceType.TRAIN_STEP,
                interface_impl="dpo", interface_args={"beta": beta},
                input_keys=("packed_input_ids", "prompt_mask", REF_LOGPROBS), n_seqs=batch_size,

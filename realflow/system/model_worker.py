@@ -167,8 +167,7 @@ class ModelWorker:
         model = self.store.home_model(role)
         with self.tracer.span(f"publish:{role}", version=payload["version"]):
             if payload["mode"] == "disk":
-                iface = next(self.interfaces[m.name] for m in self.setup.mfcs if m.model_name == role)
-                iface.save(model, payload["path"])
+                self._saving_interface(role).save(model, payload["path"])
                 return {"path": payload["path"] if self._is_writer(role) else None}
             state = model.module.full_hf_state()
             if state is None:
@@ -178,6 +177,13 @@ class ModelWorker:
                     shm.segment_prefix(self.setup.experiment_name, self.setup.trial_name), host_address())
             return self._publisher.publish(state, payload["version"], payload.get("group"),
                                            payload.get("shm", True))
+
+    def _saving_interface(self, role: str) -> Any:
+        """The interface that saves ``role``: its train step's (an inference-only interface on the same
+        model, such as the reference of a LoRA run on the actor's base, saves nothing)."""
+        mfcs = [m for m in self.setup.mfcs if m.model_name == role]
+        trained = [m for m in mfcs if m.interface_type == ModelInterfaceType.TRAIN_STEP]
+        return self.interfaces[(trained or mfcs)[0].name]
 
     def _is_writer(self, role: str) -> bool:
         return self.plan.role_home[role].workers[0] == self.index
@@ -279,8 +285,7 @@ class ModelWorker:
             return {"path": None}
         path = ensure_inside(payload["path"], output_root(self.setup.run_dir), f"checkpoint of {role!r}")
         with self.tracer.span(f"save:{role}"):
-            iface = next(self.interfaces[m.name] for m in self.setup.mfcs if m.model_name == role)
-            iface.save(model, path)
+            self._saving_interface(role).save(model, path)
         return {"path": path}
 
     def save_recover(self, payload: dict) -> dict:

@@ -177,7 +177,7 @@ class ModelWorker:
                 self._publisher = WeightPublisher(
                     shm.segment_prefix(self.setup.experiment_name, self.setup.trial_name), host_address())
             return self._publisher.publish(state, payload["version"], payload.get("group"),
-                                           payload.get("shm", True))
+                                           payload.get("shm", True), payload.get("delta"))
 
     def _is_writer(self, role: str) -> bool:
         return self.plan.role_home[role].workers[0] == self.index

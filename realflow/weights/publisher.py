@@ -14,7 +14,7 @@ import torch
 
 from realflow.comm import shm
 from realflow.weights.broadcast_writer import WeightSender
-from realflow.weights.delta import DeltaWriter
+from realflow.weights.delta import BLOCK_BYTES, DeltaWriter
 
 __all__ = ["WeightPublisher"]
 
@@ -23,11 +23,12 @@ class WeightPublisher:
     """Owns the pre-faulted shared-memory pool and the broadcast writer of one model worker.
 
     ``segment_prefix`` names the run's shared-memory segments; ``bind`` is the address
-    the broadcast group's connections use (the worker's host address).
+    the broadcast group's connections use (the worker's host address); ``block_bytes``: the
+    granularity of delta updates (:mod:`realflow.weights.delta`).
     """
 
-    def __init__(self, segment_prefix: str, bind: str) -> None:
-        self.segment_prefix, self.bind = segment_prefix, bind
+    def __init__(self, segment_prefix: str, bind: str, block_bytes: int = BLOCK_BYTES) -> None:
+        self.segment_prefix, self.bind, self.block_bytes = segment_prefix, bind, block_bytes
         self._wpool: Optional[shm.ShmPool] = None
         self._sender: Optional[WeightSender] = None  # broadcasts to servers on other hosts
         self._delta: Optional[DeltaWriter] = None  # digests of the last version (delta sync)
@@ -50,7 +51,7 @@ class WeightPublisher:
         prep = None
         if delta is not None:
             if self._delta is None:
-                self._delta = DeltaWriter()
+                self._delta = DeltaWriter(self.block_bytes)
             prep = self._delta.prepare(state, version)
         full = sum(t.numel() * t.element_size() for t in state.values())
         sent = {"sent": 0, "full": 0, "delta_ways": 0}

@@ -45,6 +45,10 @@ class AsyncRolloutConfig:
     weight_sync: str = field(default="memory", metadata={
         "help": "memory (shared memory to servers on the trainer's host, torch.distributed broadcast to the "
                 "others) | broadcast (broadcast to every server) | disk (checkpoint)"})
+    weight_sync_delta: str = field(default="auto", metadata={
+        "help": "auto (memory/broadcast sync to builtin servers: after the first version, send only the 1 MiB "
+                "blocks whose bytes changed, digest-checked; full when that saves nothing or a server missed a "
+                "version) | off (every version whole); see docs/async.md"})
     weight_broadcast_timeout_s: float = field(default=120.0, metadata={
         "help": "a weight group forms, or a broadcast finishes, within this (else the round names the servers)"})
     interrupt_mode: str = field(default="abort", metadata={
@@ -147,6 +151,7 @@ class _AsyncBase(_RLBase):
                 max_concurrent_rollouts=r.max_concurrent_rollouts, agent=r.agent, agent_args=agent_args,
                 max_head_offpolicyness=r.max_head_offpolicyness, train_batch_size=self.batch_size,
                 weight_sync=r.weight_sync, weight_broadcast_timeout_s=r.weight_broadcast_timeout_s,
+                weight_sync_delta=r.weight_sync_delta,
                 interrupt_mode=r.interrupt_mode, reward_timeout_s=r.reward_timeout_s,
                 agent_timeout_s=r.agent_timeout_s,
                 reward_processes=r.reward_processes, server_limits=r.server_limits, seed=self.seed,

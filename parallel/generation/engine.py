@@ -20,6 +20,7 @@ Not thread-safe: one thread drives an engine (the gen server holds a lock).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 import time
 from collections import deque
@@ -35,6 +36,7 @@ from parallel.generation.kv_budget import fit_slots, free_bytes, slot_bytes
 from parallel.generation.sampler import SampleBatch, sample
 from parallel.generation.weights import (DecoderWeights, ModelSpec, load_hf_weights,
                                          mcore_from_hf_tensors)
+from parallel.hf_io import param_table
 from realflow.api.generation import GenerationFailed, GenerationResult, SamplingParams, validate_input_ids
 from realflow.base.devices import worker_device
 
@@ -367,6 +369,20 @@ class GenerationEngine:
         """HF tensors of an adapter-only (LoRA) update merged into the base this engine was loaded
         from (:mod:`parallel.generation.adapters`); stage or apply them as any HF update."""
         return self.adapters.merged(adapters, float(scaling))
+
+    def hf_weight_groups(self) -> list[list[str]]:
+        """HF names that convert together (a fused entry needs all of its HF tensors in one
+        update): a delta update that changed one of them hands the engine its partners too."""
+        return [list(e.hf_names) for e in param_table(self.hf_config, self.spec.arch)]
+
+    def weights_digest(self) -> str:
+        """BLAKE2b of the weights in use (names sorted): equal digests, bit-identical weights."""
+        h = hashlib.blake2b(digest_size=16)
+        for name in sorted(self.weights.tensors):
+            t = self.weights.tensors[name].detach().cpu().contiguous()
+            h.update(name.encode())
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        return h.hexdigest()
 
     def _to_local(self, tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
         if fmt == "hf":

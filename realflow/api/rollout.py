@@ -34,6 +34,7 @@ TRAJECTORY_KEYS = (INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, VERSIONS)
 #: metadata: the weight version when the rollout was admitted, and of its oldest / newest token
 VERSION_ADMIT, VERSION_OLDEST, VERSION_NEWEST = "version_admit", "version_oldest", "version_newest"
 WEIGHT_SYNC_MODES = ("memory", "broadcast", "disk")
+WEIGHT_SYNC_DELTA_MODES = ("auto", "off")
 INTERRUPT_MODES = ("abort", "recompute")
 
 
@@ -74,6 +75,7 @@ class RolloutSpec:
     request_timeout_s: float = 600.0
     health_interval_s: float = 1.0
     weight_broadcast_timeout_s: float = 120.0
+    weight_sync_delta: str = "auto"  # auto | off: see delta_sync_on
     server_limits: GenServerLimits = field(default_factory=GenServerLimits)
     seed: int = 1
     dynamic_sampling: bool = False  # groups whose rewards are all equal are dropped at the rollout side
@@ -91,6 +93,8 @@ class RolloutSpec:
                 raise bad(name, "must be an integer >= 1")
         if self.weight_sync not in WEIGHT_SYNC_MODES:
             raise bad("weight_sync", f"expected one of {WEIGHT_SYNC_MODES}")
+        if self.weight_sync_delta not in WEIGHT_SYNC_DELTA_MODES:
+            raise bad("weight_sync_delta", f"expected one of {WEIGHT_SYNC_DELTA_MODES}")
         if self.interrupt_mode not in INTERRUPT_MODES:
             raise bad("interrupt_mode", f"expected one of {INTERRUPT_MODES}")
         for name in ("reward_timeout_s", "agent_timeout_s", "request_timeout_s", "health_interval_s",
@@ -101,6 +105,16 @@ class RolloutSpec:
             self.server_limits.validate()
         except ValueError as e:
             raise RolloutError(f"server_limits.{e}") from None
+
+    def delta_sync_on(self) -> bool:
+        """``weight_sync_delta=auto``: versions after the first go as deltas (the bytes that changed,
+        with digests) for shared-memory and broadcast sync to the builtin backend's servers -- the
+        writer sends a full update instead whenever the delta would not save bytes (over 90% of
+        the model changed), a receiver is not at the delta's base, or the model's tensors changed.
+        Off for disk sync (a checkpoint is whole) and for other backends (SGLang does not know
+        the manifest)."""
+        return (self.weight_sync_delta == "auto" and self.weight_sync in ("memory", "broadcast")
+                and self.backend == "builtin")
 
     def admission_limit(self, version: int) -> int:
         """Rollouts that may have been admitted in total while the weights are at ``version``.

@@ -106,6 +106,7 @@ class RolloutController:
         self.fatal: Optional[str] = None  # why rollouts cannot go on (e.g. every server lost)
         self._changed: Optional[asyncio.Condition] = None
         self._pending_round: Optional[WeightUpdate] = None
+        self._running: Optional[int] = None  # the version of the round in progress
         self._round_wakeup: Optional[asyncio.Event] = None
         self.round_times: list[float] = []
         self.stall_times: list[float] = []  # pause -> continue of each round
@@ -205,11 +206,19 @@ class RolloutController:
     # ------------------------------------------------------------ weight-update rounds
 
     def weight_plan(self, writer_host: str) -> dict[str, Any]:
-        """How the next version travels: shared memory and/or a broadcast group (see realflow.weights.broadcast_groups)."""
-        return self.groups.plan(writer_host)
+        """How the next version travels: shared memory and/or a broadcast group (see
+        realflow.weights.broadcast_groups) and, with delta sync, the base each way's receivers hold:
+        the version they will run when the round starts -- unknown (a full update) while a round is
+        queued, since a queued round may be superseded and never reach them."""
+        delta = None
+        if self.spec.delta_sync_on():
+            target = None if self._pending_round is not None else (
+                self._running if self._running is not None else self.version)
+            delta = (self.spec.weight_sync_delta, self.version, target)
+        return self.groups.plan(writer_host, delta)
 
     def request_round(self, version: int, handle: Optional[dict], path: Optional[str],
-                      broadcast: Optional[dict] = None) -> None:
+                      broadcast: Optional[dict] = None, shm_delta: Optional[dict] = None) -> None:
         """Queue a round to ``version``; one not started yet is superseded (and its weights freed).
 
         (A round with a broadcast is never pending when the next arrives: the writer's next
@@ -223,7 +232,7 @@ class RolloutController:
             self.rounds_skipped += 1
             if old.handle is not None:
                 shm.release(old.handle)
-        self._pending_round = WeightUpdate(version, handle, path, broadcast)
+        self._pending_round = WeightUpdate(version, handle, path, broadcast, shm_delta)
         self._round_wakeup.set()
 
     async def _round_loop(self) -> None:
@@ -235,6 +244,7 @@ class RolloutController:
             if r is None:
                 continue
             try:
+                self._running = r.version
                 await self._run_round(r)
             except NoServerError as e:
                 self.fatal = str(e)
@@ -244,6 +254,7 @@ class RolloutController:
                 self.fatal = f"weight-update round to version {r.version} failed: {type(e).__name__}: {e}"
                 await self._notify()
             finally:
+                self._running = None
                 if r.handle is not None:
                     shm.release(r.handle)
 
@@ -430,7 +441,7 @@ def master_handlers(ctl: RolloutController, loop: asyncio.AbstractEventLoop) -> 
 
     def update_weights(payload: dict) -> dict:
         on_loop(ctl.request_round, int(payload["version"]), payload.get("handle"), payload.get("path"),
-                payload.get("broadcast"))
+                payload.get("broadcast"), payload.get("shm_delta"))
         return {"queued": True}
 
     def weight_plan(payload: dict) -> dict:

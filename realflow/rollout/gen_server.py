@@ -20,6 +20,9 @@ Endpoints (JSON in and out; bad input -> 4xx ``{"error": message}``):
   (backends that say ``weight_staging`` in ``/health``) builds the new weights
   beside the ones in use while generation goes on; ``POST /commit_staged_weights``
   ``{weight_version}`` then swaps them in -- the controller's pause shrinks to that.
+  ``delta`` (a manifest of :mod:`realflow.weights.delta`): the tensors are a versioned
+  update on a base this server must hold, digests checked (:mod:`.gen_server_delta`).
+* ``GET /weights_digest``: digests of the weights in use and of the delta base.
 * ``POST /init_weights_update_group``, ``/update_weights_from_distributed``,
   ``/destroy_weights_update_group``: weights by torch.distributed broadcast from a
   writer on another host (see :mod:`realflow.rollout.gen_server_weight_group`).
@@ -244,7 +247,9 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
 
         def work() -> int:
             with server.lock:
-                return server.backend.update_weights_from_disk(path, version)
+                v = server.backend.update_weights_from_disk(path, version)
+                server.delta.plain_update(False)
+                return v
 
         try:
             v = await asyncio.to_thread(work)
@@ -273,7 +278,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
                 tensors = take_tensors(handle, unlink=unlink)
             except ShmError as e:
                 raise BadRequest(str(e)) from None
-            return server.load_weights(tensors, fmt, version, stage)
+            return server.load_weights(tensors, fmt, version, stage, body.get("delta"))
 
         try:
             v = await asyncio.to_thread(work)
@@ -289,7 +294,9 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
 
         def work() -> int:
             with server.stage_lock, server.lock:
-                return server.backend.commit_staged_weights(version)
+                v = server.backend.commit_staged_weights(version)
+                server.delta.committed(v)
+                return v
         try:
             v = await asyncio.to_thread(work)
         except ValueError as e:
@@ -325,8 +332,19 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
         body = {"status": "ok" if alive else "dead", "paused": server.paused,
                 "weight_version": server.backend.weight_version, "last_step_error": server.step_error,
                 "weight_staging": server.can_stage, "hostname": socket.gethostname(),
-                "weight_group": server.weight_group}
+                "weight_group": server.weight_group, **server.delta.describe()}
         return web.json_response(body, status=200 if alive else 503)
+
+    async def weights_digest(request: web.Request) -> web.Response:
+        """The digests of the weights in use (the engine's, if it can say) and of the delta base."""
+        fn = getattr(server.backend, "weights_digest", None)
+
+        def work() -> Optional[str]:
+            with server.lock:
+                return fn() if callable(fn) else None
+        engine = await asyncio.to_thread(work)
+        return web.json_response({"weight_version": server.backend.weight_version, "engine": engine,
+                                  **server.delta.describe()})
 
     async def model_info(request: web.Request) -> web.Response:
         b = server.backend
@@ -350,6 +368,7 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
         web.post("/update_weights_from_disk", update_from_disk),
         web.post("/update_weights_from_tensor", update_from_tensor),
         web.post("/commit_staged_weights", commit_staged),
+        web.get("/weights_digest", weights_digest),
         web.post("/pause_generation", pause),
         web.post("/continue_generation", resume),
         web.post("/flush_cache", flush),

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Optional
 from realflow.comm.drop_log import DropLog
 from realflow.api.generation import GenerationResult, GenServerLimits, SamplingParams
 from realflow.rollout.gen_server_admission import Admission, Overloaded
+from realflow.rollout.gen_server_delta import ServerDelta
 
 __all__ = ["BadRequest", "GenServer", "Overloaded", "STEP_WAIT_WARN_S"]
 
@@ -150,6 +151,7 @@ class GenServer:
         self.stage_lock = threading.Lock()
         self.can_stage = callable(getattr(backend, "stage_weights_from_tensors", None))
         self.weight_group: Optional[str] = None  # the weight-broadcast group joined (gen_server_weight_group)
+        self.delta = ServerDelta(self)  # the base of delta updates (gen_server_delta)
         self._plock = threading.Lock()  # guards self.pending and result delivery
         self.wake = threading.Event()
         self.stopping = threading.Event()
@@ -180,14 +182,21 @@ class GenServer:
             raise BadRequest("stage: this backend cannot stage weights (no stage_weights_from_tensors)")
         return stage
 
-    def load_weights(self, tensors: dict, fmt: str, version: Optional[int], stage: bool) -> int:
+    def load_weights(self, tensors: dict, fmt: str, version: Optional[int], stage: bool,
+                     manifest: Any = None) -> int:
         """Staged: no backend lock, generation goes on while the new weights are built (one
-        staging at a time); otherwise in place under the backend lock. Returns the version."""
+        staging at a time); otherwise in place under the backend lock. With a ``manifest``
+        (delta sync) :class:`ServerDelta` checks and applies it. Returns the version."""
+        if manifest is not None:
+            return self.delta.load(tensors, fmt, version, stage, manifest)
         if stage:
             with self.stage_lock:
-                return self.backend.stage_weights_from_tensors(tensors, fmt, version)
-        with self.lock:
-            return self.backend.update_weights_from_tensors(tensors, fmt, version)
+                v = self.backend.stage_weights_from_tensors(tensors, fmt, version)
+        else:
+            with self.lock:
+                v = self.backend.update_weights_from_tensors(tensors, fmt, version)
+        self.delta.plain_update(stage)
+        return v
 
     def weights_reply(self, version: int, stage: bool) -> dict:
         if stage:

@@ -9,7 +9,8 @@ the logic (joining, receiving, parsing) is :mod:`realflow.weights.receiver`.
   weight_version?, stage?, flush_cache?}``: receive the tensors the writer broadcasts,
   in order, and load them (``stage: true``: build them beside the weights in use while
   generation goes on, as ``/update_weights_from_tensor`` does; ``/commit_staged_weights``
-  swaps them in).
+  swaps them in). ``delta``: a manifest (:mod:`realflow.weights.delta`); a receiver whose
+  version is not its base answers ``{success: false, behind: true}`` and keeps its weights.
 * ``POST /destroy_weights_update_group`` ``{group_name}``.
 
 Why receive outside the backend lock: the bytes travel for as long as the network
@@ -25,6 +26,7 @@ from aiohttp import web
 
 from realflow.rollout.gen_server_state import BadRequest, GenServer
 from realflow.weights.broadcast import TensorMeta, WeightBroadcastError
+from realflow.weights.delta import DeltaBaseMismatch
 from realflow.weights.receiver import GroupSlot, parse_init
 
 __all__ = ["weight_group_routes"]
@@ -65,13 +67,17 @@ def weight_group_routes(server: GenServer, json_body: Any, version_of: Any, bind
             raise BadRequest(str(e)) from None
 
         def work() -> int:
-            return server.load_weights(slot.receive(group, meta), "hf", version, stage)
+            return server.load_weights(slot.receive(group, meta), "hf", version, stage, body.get("delta"))
 
         try:
             v = await asyncio.to_thread(work)
         except WeightBroadcastError as e:
             slot.replace(None)  # a failed collective leaves the group unusable: the writer regroups
             return web.json_response({"success": False, "error": str(e)}, status=503)
+        except DeltaBaseMismatch as e:  # received (the collective completed), not applied: not a failure
+            logger.warning("%s", e)
+            return web.json_response({"success": False, "behind": True, "error": str(e),
+                                      "weight_version": server.backend.weight_version})
         except (ValueError, KeyError) as e:
             raise BadRequest(f"update_weights_from_distributed: {e}") from None
         return web.json_response(server.weights_reply(v, stage))

@@ -57,6 +57,7 @@ class ServerState:
     can_stage: bool = False  # its /health says weight_staging (see the controller's rounds)
     hostname: str = ""  # from its /health: servers on the trainer writer's host read shared memory
     joining: bool = False  # a replacement: takes weight rounds, gets no requests until it holds the current version
+    delta_base: Optional[int] = None  # the version a delta update may be based on (its /health; None: full only)
 
 
 @dataclass
@@ -185,6 +186,8 @@ class ServerPool:
                 s.version = int(h.get("weight_version", s.version))
                 s.can_stage = h.get("weight_staging") is True
                 s.hostname = str(h.get("hostname") or "")
+                base = h.get("weight_delta_base")
+                s.delta_base = base if isinstance(base, int) and not isinstance(base, bool) else None
                 m = parse_prometheus(await self.call_text(s, "/metrics"))
                 tps = m.get("realflow_gen_busy_tokens_per_second", 0.0)
                 if tps > 0:

@@ -47,6 +47,7 @@ class AsyncMaster(Master):
         self._trained = 0
         self._t_train0 = 0.0
         self._writer_host: str | None = None
+        self._weight_bytes: dict | None = None  # the last publish's {"sent", "full"} (async/weight_* stats)
         self._refreshed = -1  # the version last published again for a replaced server
 
     # ---- hooks of Master.run ---------------------------------------------------------
@@ -79,6 +80,10 @@ class AsyncMaster(Master):
         t0 = time.perf_counter()
         self._publish(version)
         out = {"async/publish_s": time.perf_counter() - t0, "async/version": float(version)}
+        wb, self._weight_bytes = self._weight_bytes, None
+        if wb and wb.get("full"):  # memory sync: the bytes this version travelled as (delta or full)
+            out.update({"async/weight_sent_bytes": float(wb["sent"]), "async/weight_full_bytes": float(wb["full"]),
+                        "async/weight_sent_frac": wb["sent"] / wb["full"]})
         c = self._counts()
         now = time.perf_counter()
         dt = max(now - self._t_last, 1e-9)
@@ -210,5 +215,6 @@ class AsyncMaster(Master):
         except PublishError as e:
             raise MasterError(str(e)) from None
         self.ep.call(self.controller, "update_weights", {"version": version, "handle": update.handle,
-                                                         "path": update.path,
-                                                         "broadcast": update.broadcast}, timeout=60.0)
+                                                         "path": update.path, "broadcast": update.broadcast,
+                                                         "shm_delta": update.shm_delta}, timeout=60.0)
+        self._weight_bytes = update.weight_bytes

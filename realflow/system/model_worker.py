@@ -176,7 +176,7 @@ class ModelWorker:
                 self._publisher = WeightPublisher(
                     shm.segment_prefix(self.setup.experiment_name, self.setup.trial_name), host_address())
             return self._publisher.publish(state, payload["version"], payload.get("group"),
-                                           payload.get("shm", True))
+                                           payload.get("shm", True), payload.get("delta"))
 
     def _saving_interface(self, role: str) -> Any:
         """The interface that saves ``role``: its train step's (an inference-only interface on the same

@@ -153,6 +153,32 @@ def _pending(path: str, pending: Sequence[str]) -> bool:
     return any(path == p or path.startswith(p.rstrip("/") + "/") for p in map(os.path.abspath, pending))
 
 
+_ARCH_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+              "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+
+
+def check_rollout_model(setup: ExperimentSetup, policy_role: str = "actor") -> None:
+    """The generation servers must run the trained policy's architecture: every weight update
+    (a delta above all, which patches bytes in place) would fail on each server, after every
+    worker started. Compared from the two ``config.json`` files, before anything starts."""
+    r, policy = setup.rollout, setup.models.get(policy_role)
+    if r is None or policy is None or not r.model_path or os.path.abspath(r.model_path) == os.path.abspath(policy.path):
+        return
+    configs = []
+    for path in (r.model_path, policy.path):
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                configs.append(json.load(f))
+        except (OSError, ValueError):
+            return  # a missing or unreadable checkpoint is check_checkpoint's to name
+    diff = [f"{k}={configs[0].get(k)!r} vs {configs[1].get(k)!r}" for k in _ARCH_KEYS
+            if configs[0].get(k) != configs[1].get(k)]
+    if diff:
+        raise PreflightError(f"rollout.model_path {r.model_path} is not the architecture of model '{policy_role}' "
+                             f"({policy.path}): {', '.join(diff)}; weight updates to the servers cannot apply -- "
+                             f"serve the policy's model")
+
+
 def preflight(setup: ExperimentSetup, pending: Sequence[str] = ()) -> list[str]:
     """Every check before a worker starts; returns notes (what was skipped, the data filters)."""
     notes = []
@@ -165,6 +191,7 @@ def preflight(setup: ExperimentSetup, pending: Sequence[str] = ()) -> list[str]:
         check_checkpoint(spec.path, f"model '{role}'")
         if spec.tokenizer_path and spec.tokenizer_path != spec.path and not _pending(spec.tokenizer_path, pending):
             check_tokenizer(spec.tokenizer_path, f"model '{role}'")
+    check_rollout_model(setup)
     tok = _data_tokenizer(setup)
     data = [(setup.dataset, "training data")]
     if setup.eval is not None:

@@ -6,6 +6,10 @@ The pieces, in the order a version meets them:
   shared-memory handle, a broadcast, or a checkpoint path), the ``publish_weights`` request
   the trainer's master sends (``publish_request``) and the one writer's answer
   (``writer_reply``); where disk sync writes (``checkpoint_dir``) and what it removes.
+* **delta updates** -- :mod:`.delta`: a version as a manifest (base version, a named subset of
+  tensors and 1 MiB blocks, digests); ``DeltaWriter`` (the writer's digests of its last version)
+  and ``DeltaReceiver`` (a server's copy of the last applied version); the controller's plan
+  names the base each way's receivers hold (:mod:`.broadcast_groups`).
 * **how a writer publishes** (the trainer's writer model worker):
   :mod:`.publisher` (``WeightPublisher``: shared memory for servers on its host, a broadcast
   for the others; disk publishes are the interface's ``save``), :mod:`.broadcast_writer`

@@ -36,20 +36,30 @@ class WeightGroups:
         self.joined: Optional[tuple[str, int]] = None  # (name, generation) the members joined
         self.failures = 0
 
-    def plan(self, writer_host: str) -> dict[str, Any]:
+    def plan(self, writer_host: str, delta: Optional[tuple[str, int, Optional[int]]] = None) -> dict[str, Any]:
         """For the next publish: ``shm`` (any server on the writer's host) and ``group``
-        (the receivers' GroupSpec, or None when every live server reads shared memory)."""
+        (the receivers' GroupSpec, or None when every live server reads shared memory).
+
+        ``delta`` (delta sync on): ``(mode, the servers' version, the version they will hold when
+        this round starts, or None when a round is queued)``; the plan then says, per way, the
+        base its receivers hold (``delta: {"mode", "shm", "group"}``; a base is None, a full update,
+        unless every receiver of that way holds the current version as its delta base)."""
         alive = self.pool.alive()
         remote = [s for s in alive if self.mode == "broadcast" or (s.hostname and s.hostname != writer_host)]
         local = [s for s in alive if s not in remote]
+        out: dict[str, Any] = {}
+        if delta is not None:
+            mode, current, target = delta
+            out["delta"] = {"mode": mode, "shm": _common_base(local, current, target),
+                            "group": _common_base(remote, current, target)}
         if not remote:
-            return {"shm": bool(local), "group": None}
+            return {"shm": bool(local), "group": None, **out}
         names = [s.name for s in remote]
         if names != self.members or self.broken or self.generation == 0:
             self.generation += 1
             self.members, self.broken = names, False
         spec = GroupSpec(GROUP_NAME, self.generation, names, timeout_s=self.timeout_s)
-        return {"shm": bool(local), "group": spec.to_wire()}
+        return {"shm": bool(local), "group": spec.to_wire(), **out}
 
     def receivers(self, bc: dict[str, Any]) -> list[Server]:
         spec = GroupSpec.from_wire(bc["group"])
@@ -75,12 +85,19 @@ class WeightGroups:
                 return self._failed(spec, f"could not join: {bad}")
             self.joined = (spec.name, spec.generation)
         body = dict(bc["meta"], group_name=spec.name, weight_version=version, stage=stage, flush_cache=False)
+        if bc.get("delta") is not None:
+            body["delta"] = bc["delta"]
         res = await self._each(members, "/update_weights_from_distributed", [body] * len(members),
                                spec.timeout_s + 10)
         bad = {n: r for n, r in res.items() if not isinstance(r, dict)}
         if bad:
             return self._failed(spec, f"receiving v{version} failed: {bad}")
-        return members
+        # a receiver not at the delta's base took part in the collective but kept its weights
+        behind = [s for s in members if res[s.name].get("success") is not True]
+        for s in behind:
+            s.delta_base = None
+            logger.warning("%s keeps v%d: %s", s.name, s.version, res[s.name].get("error"))
+        return [s for s in members if res[s.name].get("success") is True]
 
     def _failed(self, spec: GroupSpec, why: str) -> list[Server]:
         self.broken, self.joined = True, None
@@ -100,3 +117,11 @@ class WeightGroups:
                 return f"{type(e).__name__}: {e}"
         results = await asyncio.gather(*(one(s, b) for s, b in zip(servers, bodies)))
         return {s.name: r for s, r in zip(servers, results)}
+
+
+def _common_base(servers: list[Any], current: int, target: Optional[int]) -> Optional[int]:
+    """``target`` when every one of ``servers`` runs ``current`` and holds it as its delta base."""
+    if target is None or not servers:
+        return None
+    ok = all(not s.joining and s.version == current and s.delta_base == current for s in servers)
+    return target if ok else None

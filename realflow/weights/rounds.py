@@ -14,6 +14,7 @@ Broadcast receivers that did not get the version keep theirs until the next roun
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,8 @@ from realflow.weights.servers import Server, ServerSet
 from realflow.weights.version import WeightUpdate
 
 __all__ = ["RoundOutcome", "update_servers"]
+
+logger = logging.getLogger("realflow.rollout.controller")  # reported as the controller's
 
 
 @dataclass
@@ -50,9 +53,20 @@ async def update_servers(pool: ServerSet, groups: WeightGroups, r: WeightUpdate,
     if early:  # all receivers can stage: the bytes travel while generation goes on
         assert r.broadcast is not None
         staged += await groups.deliver(r.broadcast, r.version, stage=True)
+    # a delta in shared memory only fits servers at its base; the others keep their weights (and
+    # get a full update next: the plan sees them behind)
+    shm_base = None if r.shm_delta is None else r.shm_delta.get("base")
+    shm_skip = [s for s in pool.alive() if shm_base is not None and s.version != shm_base
+                and all(s is not t for t in receivers)]
+    for s in shm_skip:
+        s.delta_base = None
+        logger.warning("%s runs v%d, not v%s (the base of delta v%d): it keeps its weights until a full update",
+                       s.name, s.version, shm_base, r.version)
     if r.handle is not None:
         body = {"shm_handle": r.handle, "format": "hf", "weight_version": r.version, "unlink": False}
-        stagers = [s for s in pool.alive() if s.can_stage]
+        if r.shm_delta is not None:
+            body["delta"] = r.shm_delta
+        stagers = [s for s in pool.alive() if s.can_stage and all(s is not t for t in shm_skip)]
         if stagers:
             res = await pool.broadcast("/update_weights_from_tensor", dict(body, stage=True),
                                        timeout=600.0, only=stagers)
@@ -68,14 +82,22 @@ async def update_servers(pool: ServerSet, groups: WeightGroups, r: WeightUpdate,
         for s in await groups.deliver(r.broadcast, r.version, stage=False):
             s.version = r.version
     # broadcast receivers that did not get this version keep theirs until the next round
-    rest = [s for s in pool.alive() if all(s is not t for t in staged + receivers)]
+    rest = [s for s in pool.alive() if all(s is not t for t in staged + receivers + shm_skip)]
     if rest and r.handle is not None:
         res.update(await pool.broadcast("/update_weights_from_tensor", body, timeout=600.0, only=rest))
     elif rest and r.path is not None:
         body = {"model_path": r.path, "weight_version": r.version}
         res.update(await pool.broadcast("/update_weights_from_disk", body, timeout=600.0, only=rest))
+    delta_ok = {"shm": r.shm_delta is not None,
+                "group": r.broadcast is not None and r.broadcast.get("delta") is not None}
     for name, v in res.items():
-        if isinstance(v, dict):
-            next(s for s in pool.servers if s.name == name).version = int(v["weight_version"])
+        if isinstance(v, dict) and v.get("success", True):
+            s = next(s for s in pool.servers if s.name == name)
+            s.version = int(v["weight_version"])
+            if all(s is not t for t in receivers):
+                s.delta_base = r.version if delta_ok["shm"] else None
+    for s in receivers:
+        if s.version == r.version:
+            s.delta_base = r.version if delta_ok["group"] else None
     await pool.broadcast("/continue_generation", {})
     return out

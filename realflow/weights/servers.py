@@ -22,6 +22,7 @@ class Server(Protocol):
     can_stage: bool  # it can build new weights beside the live ones (``/commit_staged_weights`` swaps)
     hostname: str  # servers on the writer's host read shared memory
     joining: bool  # a replacement that still needs the current version
+    delta_base: Optional[int]  # the version a delta update may be based on (None: it needs a full one)
 
 
 class ServerSet(Protocol):

@@ -29,7 +29,9 @@ class WeightUpdate:
     version: int
     handle: Optional[dict] = None  # shared-memory weights (weight_sync=memory)
     path: Optional[str] = None  # checkpoint directory (weight_sync=disk)
-    broadcast: Optional[dict] = None  # group + tensor list for servers on other hosts
+    broadcast: Optional[dict] = None  # group + tensor list for servers on other hosts (+ "delta": manifest)
+    shm_delta: Optional[dict] = None  # the shared-memory segment's manifest (realflow.weights.delta)
+    weight_bytes: Optional[dict] = None  # the writer's {"sent", "full"} bytes of this version
 
 
 class PublishError(RuntimeError):
@@ -56,7 +58,9 @@ def writer_reply(replies: dict[str, dict], role: str, version: int) -> WeightUpd
     got = [r for r in replies.values() if r.get("handle") or r.get("path") or r.get("broadcast")]
     if len(got) != 1:
         raise PublishError(f"publish_weights of {role} v{version}: expected one writer, got {got}")
-    return WeightUpdate(version, got[0].get("handle"), got[0].get("path"), got[0].get("broadcast"))
+    w = got[0]
+    return WeightUpdate(version, w.get("handle"), w.get("path"), w.get("broadcast"), w.get("shm_delta"),
+                        w.get("weight_bytes"))
 
 
 def remove_older_checkpoints(path: str) -> None:

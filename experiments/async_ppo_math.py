@@ -147,6 +147,7 @@ class _AsyncBase(_RLBase):
             spec = RolloutSpec(
                 model_path=actor, tokenizer_path=tok, dataset_path=train, dataset_format=self.dataset.format,
                 dataset_args=data_args, n_servers=gen.dp, server_tp=gen.tp, backend=r.backend,
+                lora=_served_lora(models[ACTOR]),
                 max_running_requests=r.max_running_requests, n_rollout_workers=r.n_rollout_workers,
                 max_concurrent_rollouts=r.max_concurrent_rollouts, agent=r.agent, agent_args=agent_args,
                 max_head_offpolicyness=r.max_head_offpolicyness, train_batch_size=self.batch_size,
@@ -179,6 +180,14 @@ class _AsyncBase(_RLBase):
         if not sizes:
             raise AllocationError(f"trainer allocation {train_alloc!r} needs an entry without '@'")
         return max(sizes)
+
+
+def _served_lora(actor: ModelSpec) -> Optional[dict[str, Any]]:
+    """What generation servers need of a LoRA actor (r, alpha, targets; a starting adapter's own)."""
+    from parallel.backend import resolved_lora
+
+    lora = resolved_lora(actor)
+    return None if lora is None else lora.as_dict()
 
 
 @register_experiment("async-grpo-math")

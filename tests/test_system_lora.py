@@ -58,3 +58,32 @@ def test_lora_grpo_with_kl_to_the_base_raises_reward(fileroot):
     final = run_dir / "checkpoints" / "actor" / "final"
     assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
     assert not (final / "model.safetensors").exists()
+
+
+FAST_ASYNC = ["dataset.task=arithmetic", "ppo.max_new_tokens=16", "dataset.n_test=32", "eval_n_samples=2",
+              "dataset.n_train=4000"]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("sync", ["memory", "disk"])
+def test_async_lora_servers_receive_adapters_only(fileroot, sync):
+    """On-policy async GRPO with LoRA: every update carries the adapters (bytes << the model), the
+    server merges them into its base, and its behaviour log-probs equal the trainer's."""
+    res = _run(["realflow.apps.main_async_ppo"], fileroot, *FAST_ASYNC, "max_train_steps=4", "batch_size=8",
+               "rollout.max_head_offpolicyness=0", f"trial_name=async_{sync}", f"rollout.weight_sync={sync}",
+               "model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16", "model.lora.dropout=0",
+               "model.lora.target_modules=all-linear", "actor_optimizer.lr=2e-3", "ppo.kl_coef=0.01")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in _stats(fileroot / "async-grpo-math" / f"async_{sync}") if "actor_train/reward" in r]
+    assert len(rows) == 4
+    for r in rows:
+        # the tokens came from the server's merged weights == the trainer's adapters on the base
+        assert r["actor_train/gen_train_kl"] < 1e-8, r["actor_train/gen_train_kl"]
+        assert abs(r["actor_train/behav_imp_weight"] - 1.0) < 1e-4
+    if sync == "memory":
+        sent = [r["async/weight_sent_frac"] for r in rows if "async/weight_sent_frac" in r]
+        assert sent and max(sent) == 1.0  # the whole update is sent: it is the adapter
+        sent_bytes = [r["async/weight_sent_bytes"] for r in rows if r.get("async/weight_sent_bytes")]
+        model_bytes = os.path.getsize(fileroot / "sft" / "trial0" / "checkpoints" / "default" / "final" /
+                                      "model.safetensors")
+        assert sent_bytes and max(sent_bytes) < 0.3 * model_bytes, (sent_bytes, model_bytes)

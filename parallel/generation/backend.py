@@ -27,8 +27,10 @@ def build_builtin_backend(cfg: BackendConfig) -> GenerationEngine:
     tokenizer = _try_tokenizer(cfg.tokenizer_path or cfg.model_path)
     econf = EngineConfig(max_running_requests=cfg.max_running_requests, max_seq_len=cfg.max_seq_len,
                          seed=cfg.seed, **cfg.extra)
-    return GenerationEngine.from_hf(cfg.model_path, econf, tokenizer=tokenizer,
-                                    dtype=_DTYPES[cfg.dtype])
+    engine = GenerationEngine.from_hf(cfg.model_path, econf, tokenizer=tokenizer, dtype=_DTYPES[cfg.dtype])
+    if cfg.lora:
+        engine.adapter_scaling = float(cfg.lora["alpha"]) / float(cfg.lora["r"])
+    return engine
 
 
 generation_backends.register("builtin", build_builtin_backend)

@@ -30,13 +30,13 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from parallel.generation.adapters import AdapterMerger
+from parallel.generation.adapters import AdapterMerger, is_adapter_update
 from parallel.generation.decoder import Decoder, KVCache
 from parallel.generation.kv_budget import fit_slots, free_bytes, slot_bytes
 from parallel.generation.sampler import SampleBatch, sample
 from parallel.generation.weights import (DecoderWeights, ModelSpec, load_hf_weights,
                                          mcore_from_hf_tensors)
-from parallel.hf_io import param_table
+from parallel.hf_io import CheckpointError, param_table
 from realflow.api.generation import GenerationFailed, GenerationResult, SamplingParams, validate_input_ids
 from realflow.base.devices import worker_device
 
@@ -161,6 +161,7 @@ class GenerationEngine:
         self.busy_seconds = 0.0
         self._staged: Optional[tuple[int, DecoderWeights]] = None  # see stage_weights_from_tensors
         self.adapters = AdapterMerger("")  # LoRA updates merge into the base (set by from_hf)
+        self.adapter_scaling: Optional[float] = None  # alpha / r of a LoRA run's adapter updates
 
     # ------------------------------------------------------------ construction
 
@@ -385,6 +386,11 @@ class GenerationEngine:
         return h.hexdigest()
 
     def _to_local(self, tensors: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+        if fmt == "hf" and is_adapter_update(tensors):  # a LoRA run's update: its adapters only
+            if self.adapter_scaling is None:
+                raise CheckpointError("weight update: LoRA adapters sent to a server not started for LoRA "
+                                      "(start it with --lora-r and --lora-alpha, or send full weights)")
+            tensors = self.merged_adapter_update(tensors, self.adapter_scaling)
         if fmt == "hf":
             return mcore_from_hf_tensors(self.spec, self.hf_config, tensors, partial=True)
         if fmt == "megatron":
@@ -392,7 +398,14 @@ class GenerationEngine:
         raise ValueError(f"weight format {fmt!r}: expected 'hf' or 'megatron'")
 
     def update_weights_from_disk(self, model_path: str, version: Optional[int] = None) -> int:
-        """In-place update from an HF checkpoint directory (same architecture)."""
+        """In-place update from an HF checkpoint directory (same architecture), or from a PEFT
+        adapter directory of the model this engine was loaded with (merged into that base)."""
+        from parallel.lora_io import is_peft_adapter, read_adapter_config, read_adapter_tensors
+
+        if is_peft_adapter(model_path):
+            cfg = read_adapter_config(model_path)
+            return self.update_weights_from_tensors(
+                self.merged_adapter_update(read_adapter_tensors(model_path), cfg.scaling), "hf", version)
         local = load_hf_weights(model_path, self.hf_config, self.spec, self.weights.dtype)
         self.weights.copy_(local)
         return self.weights_updated(version)

@@ -40,6 +40,10 @@ def sglang_command(cfg: BackendConfig, host: str, port: int) -> list[str]:
         cmd += ["--tokenizer-path", cfg.tokenizer_path]
     if cfg.max_seq_len:
         cmd += ["--context-length", str(cfg.max_seq_len)]
+    if cfg.lora:  # LoRA serving: adapters load through /load_lora_adapter (realflow.weights.rounds)
+        cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora["r"]), "--max-loras-per-batch", "1"]
+        if cfg.lora.get("target_modules"):
+            cmd += ["--lora-target-modules", *cfg.lora["target_modules"]]
     for k, v in sorted(cfg.extra.items()):
         flag = "--" + k.replace("_", "-")
         if v is True:

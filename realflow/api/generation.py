@@ -251,6 +251,9 @@ class BackendConfig:
     dtype: str = "float32"
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the policy trains LoRA adapters: ``{"r", "alpha", "target_modules"}``; weight updates then carry
+    #: adapters only (PEFT names), which the server applies to the base it was started from
+    lora: Optional[dict[str, Any]] = None
 
 
 @dataclass

@@ -76,6 +76,7 @@ class RolloutSpec:
     health_interval_s: float = 1.0
     weight_broadcast_timeout_s: float = 120.0
     weight_sync_delta: str = "auto"  # auto | off: see delta_sync_on
+    lora: Optional[dict[str, Any]] = None  # the actor trains LoRA: updates carry its adapters (BackendConfig.lora)
     server_limits: GenServerLimits = field(default_factory=GenServerLimits)
     seed: int = 1
     dynamic_sampling: bool = False  # groups whose rewards are all equal are dropped at the rollout side
@@ -112,9 +113,9 @@ class RolloutSpec:
         writer sends a full update instead whenever the delta would not save bytes (over 90% of
         the model changed), a receiver is not at the delta's base, or the model's tensors changed.
         Off for disk sync (a checkpoint is whole) and for other backends (SGLang does not know
-        the manifest)."""
+        the manifest), and with LoRA, whose updates are the adapters already."""
         return (self.weight_sync_delta == "auto" and self.weight_sync in ("memory", "broadcast")
-                and self.backend == "builtin")
+                and self.backend == "builtin" and self.lora is None)  # LoRA: the adapters are the delta
 
     def admission_limit(self, version: int) -> int:
         """Rollouts that may have been admitted in total while the weights are at ``version``.

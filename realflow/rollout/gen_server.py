@@ -430,6 +430,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="append the first --log-requests-max answered sequences (prompt and answer ids and text) "
                          "to FILE as JSON lines")
     ap.add_argument("--log-requests-max", type=int, default=100)
+    ap.add_argument("--lora-r", type=int, default=None,
+                    help="the policy trains LoRA adapters of this rank: updates may carry adapters only")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (scaling alpha / r)")
+    ap.add_argument("--lora-target-modules", default="", help="comma-separated HF module names (SGLang's flag)")
     ap.add_argument("--api-key-env", default=None,
                     help="environment variable holding the API key clients must send (Bearer)")
     for f in fields(GenServerLimits):
@@ -449,6 +453,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = BackendConfig(model_path=a.model, tokenizer_path=a.tokenizer,
                         max_running_requests=a.max_running_requests, max_seq_len=a.max_seq_len,
                         dtype=a.dtype, seed=a.seed)
+    if (a.lora_r is None) != (a.lora_alpha is None):
+        ap.error("--lora-r and --lora-alpha go together")
+    if a.lora_r is not None:
+        cfg.lora = {"r": a.lora_r, "alpha": a.lora_alpha,
+                    "target_modules": [t for t in a.lora_target_modules.split(",") if t]}
     backend = factory(cfg)
     if isinstance(backend, ExternalServerBackend) and not hasattr(backend, "step"):
         return backend.serve(a.host, a.port)

@@ -58,7 +58,7 @@ def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     precision = resolve_precision(setup.model_precision(served) if served else setup.precision)
     cfg = BackendConfig(model_path=spec.model_path, tokenizer_path=spec.tokenizer_path,
                         max_running_requests=spec.max_running_requests, seed=spec.seed * 1000 + index,
-                        dtype="bfloat16" if precision == "bf16" else "float32")
+                        dtype="bfloat16" if precision == "bf16" else "float32", lora=spec.lora)
     backend = generation_backends.get(spec.backend)(cfg)
     resolver = make_name_resolver(setup.name_resolve_config())
     key = names.gen_server_address(setup.experiment_name, setup.trial_name, index)

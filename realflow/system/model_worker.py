@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from realflow.api.backend import NonFiniteError
 from realflow.api.batch import SequenceBatch
+from realflow.api.engine import has_adapters
 from realflow.data.source import load_dataset_shard
 from realflow.api.experiment import ExperimentSetup
 from realflow.api.interface import make_interface
@@ -161,7 +162,8 @@ class ModelWorker:
         false`` when there are none), and, when ``group`` names receivers (servers on
         other hosts), a torch.distributed broadcast to them (:mod:`realflow.weights.publisher`);
         ``"disk"``: an HF checkpoint at ``path``. Only the writer (dp 0, tp 0, pp 0)
-        returns something.
+        returns something. A model that trains LoRA adapters publishes the adapters only
+        (PEFT names; the servers merge them into their base), and saves an adapter directory.
         """
         role = payload["role"]
         model = self.store.home_model(role)
@@ -169,7 +171,8 @@ class ModelWorker:
             if payload["mode"] == "disk":
                 self._saving_interface(role).save(model, payload["path"])
                 return {"path": payload["path"] if self._is_writer(role) else None}
-            state = model.module.full_hf_state()
+            engine = model.module
+            state = engine.adapter_state() if has_adapters(engine) else engine.full_hf_state()
             if state is None:
                 return {"handle": None}
             if self._publisher is None:

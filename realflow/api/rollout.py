@@ -27,7 +27,8 @@ from realflow.api.generation import GenServerLimits
 from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REWARDS, VERSIONS
 
 __all__ = ["RolloutSpec", "Trajectory", "rollout_to_batch", "TRAJECTORY_KEYS", "VERSION_ADMIT",
-           "VERSION_OLDEST", "VERSION_NEWEST", "WEIGHT_SYNC_MODES", "INTERRUPT_MODES", "RolloutError"]
+           "VERSION_OLDEST", "VERSION_NEWEST", "WEIGHT_SYNC_MODES", "INTERRUPT_MODES", "RolloutError",
+           "LORA_ADAPTER_NAME"]
 
 #: tensor keys of every trajectory sample (the async graph's source keys)
 TRAJECTORY_KEYS = (INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, VERSIONS)
@@ -40,6 +41,10 @@ INTERRUPT_MODES = ("abort", "recompute")
 
 class RolloutError(ValueError):
     """A bad rollout configuration or trajectory; the message names the field or the agent."""
+
+
+#: the name a LoRA policy's adapter is served under by servers that keep adapters apart (SGLang)
+LORA_ADAPTER_NAME = "policy"
 
 
 @dataclass
@@ -96,6 +101,9 @@ class RolloutSpec:
             raise bad("weight_sync", f"expected one of {WEIGHT_SYNC_MODES}")
         if self.weight_sync_delta not in WEIGHT_SYNC_DELTA_MODES:
             raise bad("weight_sync_delta", f"expected one of {WEIGHT_SYNC_DELTA_MODES}")
+        if self.lora is not None and self.backend == "sglang" and self.weight_sync != "disk":
+            raise bad("weight_sync", "a LoRA policy on SGLang servers needs weight_sync=disk (SGLang loads "
+                                     "adapters from a directory with /load_lora_adapter)")
         if self.interrupt_mode not in INTERRUPT_MODES:
             raise bad("interrupt_mode", f"expected one of {INTERRUPT_MODES}")
         for name in ("reward_timeout_s", "agent_timeout_s", "request_timeout_s", "health_interval_s",

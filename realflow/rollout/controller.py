@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 
-from realflow.api.rollout import RolloutSpec
+from realflow.api.rollout import LORA_ADAPTER_NAME, RolloutSpec
 from realflow.comm import shm
 from realflow.comm.drop_log import DropLog
 from realflow.rollout.prompt_ledger import PromptLedger
@@ -86,6 +86,8 @@ class RolloutController:
         wait for a replacement when no server is up."""
         self.spec = spec
         self.pool = ServerPool(server_urls, api_key, request_timeout=spec.request_timeout_s)
+        if spec.lora is not None and spec.backend != "builtin":
+            self.pool.lora_name = LORA_ADAPTER_NAME  # SGLang serves the adapter by name (builtin merges it)
         self.pool.rejoin_wait_s = rejoin_wait_s
         self.lookup_server = lookup_server
         self.rejoin_wait_s = rejoin_wait_s

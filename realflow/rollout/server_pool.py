@@ -87,6 +87,10 @@ class ServerPool:
         self.requests_failed_over = 0
         self.overloaded_retries = 0  # 429 answers waited out (Retry-After)
         self.rejoin_wait_s = 0.0  # how long a request waits for a replacement when no server is up
+        #: SGLang serving a LoRA policy: the adapter's name, sent with every request (``lora_path``)
+        #: and loaded by name at each weight update (realflow.weights.rounds)
+        self.lora_name: Optional[str] = None
+        self.lora_loaded = False  # until the first update the servers run the base: requests name no adapter
 
     async def start(self) -> None:
         # limit=0: as many connections as requests in flight (each waits for a whole generation)
@@ -236,9 +240,11 @@ class ServerPool:
             server.outstanding_tokens += charge
             server.in_flight += 1
             try:
-                res = await self.call(server, "/generate", {
-                    "input_ids": out.prompt_ids + out.output_ids, "sampling_params": sp, "return_logprob": True,
-                    "rid": f"{rid}-r{out.resubmits}"}, timeout=self.request_timeout)
+                body = {"input_ids": out.prompt_ids + out.output_ids, "sampling_params": sp, "return_logprob": True,
+                        "rid": f"{rid}-r{out.resubmits}"}
+                if self.lora_name is not None and self.lora_loaded:
+                    body["lora_path"] = self.lora_name
+                res = await self.call(server, "/generate", body, timeout=self.request_timeout)
             except (aiohttp.ClientConnectionError, ConnectionError):
                 self.requests_failed_over += 1
                 out.resubmits += 1

@@ -42,6 +42,19 @@ class RoundOutcome:
                                         (f"broadcast to {len(self.receivers)}", bool(self.receivers))) if on)
 
 
+async def _load_lora_adapter(pool: ServerSet, r: WeightUpdate, servers: list[Server]) -> dict[str, Any]:
+    """SGLang's LoRA update: unload the adapter of the last version, load this version's directory
+    under the same name (requests name it in ``lora_path``). SGLang's replies carry no weight
+    version, so a success means ``r.version``."""
+    name = pool.lora_name
+    await pool.broadcast("/unload_lora_adapter", {"lora_name": name}, timeout=120.0, only=servers)
+    res = await pool.broadcast("/load_lora_adapter", {"lora_name": name, "lora_path": r.path},
+                               timeout=600.0, only=servers)
+    if any(isinstance(v, dict) and v.get("success", True) for v in res.values()):
+        pool.lora_loaded = True  # type: ignore[attr-defined]  (requests now name the adapter)
+    return {k: (dict(v, weight_version=r.version) if isinstance(v, dict) else v) for k, v in res.items()}
+
+
 async def update_servers(pool: ServerSet, groups: WeightGroups, r: WeightUpdate, pause_mode: str) -> RoundOutcome:
     """Bring every live server of ``pool`` to version ``r.version`` (``pause_mode``: abort or retract
     the running requests); sets each updated server's ``version`` and resumes generation."""
@@ -85,6 +98,8 @@ async def update_servers(pool: ServerSet, groups: WeightGroups, r: WeightUpdate,
     rest = [s for s in pool.alive() if all(s is not t for t in staged + receivers + shm_skip)]
     if rest and r.handle is not None:
         res.update(await pool.broadcast("/update_weights_from_tensor", body, timeout=600.0, only=rest))
+    elif rest and r.path is not None and getattr(pool, "lora_name", None):
+        res.update(await _load_lora_adapter(pool, r, rest))
     elif rest and r.path is not None:
         body = {"model_path": r.path, "weight_version": r.version}
         res.update(await pool.broadcast("/update_weights_from_disk", body, timeout=600.0, only=rest))

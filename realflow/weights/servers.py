@@ -29,6 +29,9 @@ class ServerSet(Protocol):
     """The servers of a run, and how to call them (``ServerPool``)."""
 
     servers: list[Any]
+    #: set when the servers serve a LoRA adapter by name (SGLang): disk updates load it with
+    #: ``/load_lora_adapter`` instead of replacing the model
+    lora_name: Optional[str]
 
     def alive(self) -> list[Any]:
         """The live servers, in a fixed order."""

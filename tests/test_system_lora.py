@@ -87,3 +87,25 @@ def test_async_lora_servers_receive_adapters_only(fileroot, sync):
         model_bytes = os.path.getsize(fileroot / "sft" / "trial0" / "checkpoints" / "default" / "final" /
                                       "model.safetensors")
         assert sent_bytes and max(sent_bytes) < 0.3 * model_bytes, (sent_bytes, model_bytes)
+
+
+@pytest.mark.timeout(400)
+def test_sft_with_lora_on_a_checkpoint_saves_a_peft_adapter(fileroot, tmp_path):
+    """main_sft with LoRA on an existing checkpoint: only adapters train (the loss falls), and the
+    saved adapter loads with PEFT onto that checkpoint."""
+    start = fileroot / "sft" / "trial0" / "checkpoints" / "default" / "final"
+    res = _run(["realflow.apps.main_sft"], tmp_path, f"model.path={start}", "dataset.n_train=1000",
+               "dataset.n_test=32", "max_train_steps=30", "batch_size=32", "optimizer.lr=3e-3",
+               "model.lora.enabled=true", "model.lora.r=8", "model.lora.alpha=16", "model.lora.dropout=0",
+               "model.lora.target_modules=all-linear", "trial_name=lora")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in _stats(tmp_path / "sft" / "lora") if "sft_train/loss" in r]
+    key = "sft_train/loss"
+    assert len(rows) == 30
+    assert sum(r[key] for r in rows[-5:]) < sum(r[key] for r in rows[:5]), [r[key] for r in rows]
+    final = tmp_path / "sft" / "lora" / "checkpoints" / "default" / "final"
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(start), final)
+    assert sum(p.numel() for n, p in model.named_parameters() if "lora_" in n) > 0

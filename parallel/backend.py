@@ -50,7 +50,8 @@ class MegatronBackend:
         return MegatronEngine(spec.path, groups, spec.path if load_weights else None, opt, seed,
                               config_overrides=_config_overrides(spec),
                               attention=spec.backend_args.get("attention", "sdpa"),
-                              critic=bool(spec.backend_args.get("critic", False)))
+                              critic=bool(spec.backend_args.get("critic", False)),
+                              training=getattr(spec, "training", None))
 
     # ---- parameter reallocation and offload (runtime hooks) ------------------------------------
 

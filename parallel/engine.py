@@ -34,6 +34,7 @@ batch is split into micro-batches.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from typing import Any, Callable, Optional, Sequence
@@ -48,6 +49,7 @@ from parallel.hf_io import CheckpointError, gather_hf_state, save_hf_checkpoint
 from parallel.hf_layout import execute_hf_load, gather_hf_state_any, plan_hf_load
 from parallel.mcore_globals import seed_megatron_rng
 from parallel.model import build_gpt_model
+from parallel.model_config import recompute_overrides
 from parallel.nonfinite import (
     NonFiniteError,
     NonFinitePolicy,
@@ -57,6 +59,7 @@ from parallel.nonfinite import (
     params_finite,
 )
 from parallel.optim import EngineOptimizerConfig, build_optimizer
+from parallel.optim_offload import OptimizerOffload
 from parallel.outputs import TokenOutputs
 from parallel.pipeline import (
     MicroBatch,
@@ -68,6 +71,7 @@ from parallel.pipeline import (
 from parallel.packing import check_packed
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.engine import BatchGenerator, LossFn, MicroBatches
+from realflow.api.model_options import TrainingMemoryConfig
 from realflow.api.padded_partition import padded_partition
 from realflow.base.devices import to_device, to_host
 
@@ -103,27 +107,34 @@ class MegatronEngine:
         config_overrides: Optional[dict[str, Any]] = None,
         attention: str = "sdpa",
         critic: bool = False,
+        training: Optional[TrainingMemoryConfig] = None,
     ) -> None:
+        """``training``: activation recompute and optimizer offload (``training.*``, see
+        :class:`realflow.api.model_options.TrainingMemoryConfig`); ``config_overrides`` win over
+        the recompute fields it sets."""
         if not groups.is_member:
             raise ValueError(f"MegatronEngine: this rank is not one of the model ranks {groups.ranks}")
         apply_cpu_compat()
         self.hf_config = _load_hf_config(hf_config)
         self.groups = groups
         self.critic = critic
+        self.training = training or TrainingMemoryConfig()
         self.version = 0
         self.nonfinite_policy = NonFinitePolicy()  # the run's: configure_nonfinite (on_nonfinite)
         self.nonfinite_run = 0  # consecutive steps skipped for a non-finite loss or gradient
         # Same seed on every rank: replicated params start identical even without
         # a checkpoint; the tracker gives tp ranks distinct model-parallel streams.
         seed_megatron_rng(seed, groups.tp_rank)
+        overrides = {**recompute_overrides(self.training.gradient_checkpointing), **(config_overrides or {})}
         self.module, self.arch = build_gpt_model(self.hf_config, groups, attention=attention,
-                                                 config_overrides=config_overrides, critic=critic)
+                                                 config_overrides=overrides, critic=critic)
         self.config = self.module.config
         self.device = next(self.module.parameters()).device
         if init_checkpoint:
             self._load(init_checkpoint)
         self.optimizer_config = optimizer_config
         self.optimizer = self.scheduler = None
+        self.offload: Optional[OptimizerOffload] = None  # training.optimizer_offload on a GPU
         self.model: torch.nn.Module = self.module
         if optimizer_config is not None:
             self._setup_training(optimizer_config)
@@ -174,6 +185,7 @@ class MegatronEngine:
         )
         if self.config.fp16:  # dynamic loss scaling (bf16 / fp32 need none)
             self.config.grad_scale_func = self.optimizer.scale_loss
+        self.offload = OptimizerOffload.build(self.optimizer, self.training, self.device)
 
     # ------------------------------------------------------------------ helpers
 
@@ -450,7 +462,8 @@ class MegatronEngine:
         if payload["error"]:  # before stepping: a bad loss_fn changes nothing
             raise ValueError(payload["error"])
         lr = float(self.optimizer.param_groups[0]["lr"])
-        ok, grad_norm = self._checked_step(payload.get("bad"))
+        with self.offload.resident() if self.offload is not None else contextlib.nullcontext():
+            ok, grad_norm = self._checked_step(payload.get("bad"))
         red = payload["sums"]
         out = {"loss": red[0] / total_w, "grad_norm": grad_norm, "lr": lr,
                "n_tokens": n_tokens, "loss_weight": total_w, "n_mbs": n_mbs,

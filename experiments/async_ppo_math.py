@@ -129,7 +129,7 @@ class _AsyncBase(_RLBase):
         mfcs = graph_registry.get("async_ppo")(gcfg)
         planned = self.planned_actor_config()
         models = {ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
-                                   expected_config=planned)}
+                                   expected_config=planned, training=self.training)}
         if gcfg.use_ref:
             models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok, expected_config=planned)
         data_args = self.data_args()

@@ -26,6 +26,7 @@ from realflow.api.dfg import graph_registry
 from realflow.base.hf_models import describe_supported, resolve_checked_model, resolve_model_path
 from realflow.api.experiment import (BaseExperimentConfig, DatasetSpec, EvalSpec, ExperimentSetup,
                                      GroupFilterSpec, ModelSpec, OptimizerConfig, register_experiment)
+from realflow.api.model_options import TrainingMemoryConfig
 
 SFT_TIMEOUT_S = 1800
 SUPPORTED_HELP = "Supported: " + describe_supported()
@@ -74,6 +75,8 @@ class _RLBase(BaseExperimentConfig):
     algorithm: str = field(default="", metadata={
         "help": "a preset of ppo.* keys: " + " | ".join(ALGORITHMS) + " ('' = the experiment's own defaults; "
                 "see the presets at the end of --help and docs/algorithms.md)"})
+    training: TrainingMemoryConfig = field(default_factory=TrainingMemoryConfig, metadata={
+        "help": "memory-for-time trades of the trained models (actor, critic)"})
 
     PRESETS = presets()
     _graph = "grpo"
@@ -189,7 +192,7 @@ class _RLBase(BaseExperimentConfig):
         mfcs = graph_registry.get(self._graph)(gcfg)
         models = {
             ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
-                             expected_config=planned),
+                             expected_config=planned, training=self.training),
             REWARD: ModelSpec(role=REWARD, path=tok, tokenizer_path=tok, backend="none"),
         }
         if gcfg.use_ref:
@@ -199,7 +202,8 @@ class _RLBase(BaseExperimentConfig):
                       if self.model.critic_path else actor)
             models[CRITIC] = ModelSpec(role=CRITIC, path=critic, tokenizer_path=tok,
                                        optimizer=self.critic_optimizer, backend_args={"critic": True},
-                                       expected_config=None if self.model.critic_path else planned)
+                                       expected_config=None if self.model.critic_path else planned,
+                                       training=self.training)
         data_args = self.data_args()
         return ExperimentSetup(
             experiment_name=self.experiment_name or self._name, trial_name=self.trial_name, mfcs=mfcs,

@@ -176,6 +176,7 @@ class _RLBase(BaseExperimentConfig):
         actor, tok, train, test = self._paths()
         planned = self.planned_actor_config()
         h = self.ppo
+        self._check_generator_len(actor, planned)
         use_critic = self._graph == "ppo"
         if h.estimator == "gae" and not use_critic:
             raise ValueError(f"ppo.estimator=gae needs a critic, and experiment={self._name} has none "
@@ -216,6 +217,16 @@ class _RLBase(BaseExperimentConfig):
             **self.runtime_fields(),
         )
 
+    def _check_generator_len(self, actor: str, planned: Optional[dict]) -> None:
+        """``ppo.max_model_len`` within the actor's context (a one-line error before any worker starts)."""
+        if self.ppo.max_model_len is None:
+            return
+        from parallel.backend import read_hf_config
+        from realflow.api.generation import check_inference_memory
+
+        ctx = (read_hf_config(actor) or planned or {}).get("max_position_embeddings")  # the engine's limit
+        check_inference_memory(self.ppo.gpu_memory_utilization or 0.5, self.ppo.max_model_len, ctx, prefix="ppo.")
+
     def _eval_reward(self) -> tuple[str, dict[str, Any]]:
         """(reward, args) that score held-out responses: ``eval_reward``, else the task's check
         ("" = final-answer exact match; ``code-tests`` for code_expr, whose programs an answer
@@ -239,6 +250,8 @@ class _RLBase(BaseExperimentConfig):
                         interface_impl="ppo_actor",
                         interface_args={"eval_max_new_tokens": h.max_new_tokens, "eval_n_samples": self.eval_n_samples,
                                         "max_new_tokens": h.max_new_tokens, **h.sampling_args(),
+                                        "gpu_memory_utilization": h.gpu_memory_utilization,
+                                        "max_model_len": h.max_model_len,
                                         "seed": self.seed, "eval_reward": reward, "eval_reward_args": reward_args},
                         freq_steps=self.eval_freq_steps)
 

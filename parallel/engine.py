@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.cpu_compat import apply_cpu_compat
-from parallel.engine_generator import build_colocated_generator
+from parallel.engine_generator import colocated_generator
 from parallel.groups import ModelGroups
 from parallel.hf_io import CheckpointError, gather_hf_state, save_hf_checkpoint
 from parallel.hf_layout import execute_hf_load, gather_hf_state_any, plan_hf_load
@@ -360,8 +360,9 @@ class MegatronEngine:
             active = still
         return new
 
-    def generator(self, context: int, *, version: int, tokenizer: Any = None,
-                  max_running: int = 256) -> BatchGenerator:
+    def generator(self, context: int, *, version: int, tokenizer: Any = None, max_running: int = 256,
+                  gpu_memory_utilization: Optional[float] = None,
+                  max_model_len: Optional[int] = None) -> BatchGenerator:
         """The generation engine over this engine's parameters (built once, then reused; pp = 1, LM only).
 
         ``context``: the longest prompt + new tokens the caller needs; a later call that needs
@@ -369,15 +370,11 @@ class MegatronEngine:
         version; when it differs from the generator's, the weights moved in place since the
         last call (an optimizer step, a reallocation) and the generator refreshes what it
         derives from them. ``tokenizer`` (for stop strings) is taken when the generator is built.
+        ``gpu_memory_utilization`` / ``max_model_len`` size its KV cache (``ppo.*`` keys; see
+        :mod:`parallel.engine_generator` for the defaults).
         """
-        gen = self._generator
-        if gen is not None and gen.max_context < min(context, gen.model_context):
-            self._generator = gen = None  # free the old cache before the larger one is made
-        if gen is None:
-            gen = self._generator = build_colocated_generator(self, context, tokenizer, max_running)
-        if gen.weight_version != version:
-            gen.weights_updated(version)
-        return gen
+        return colocated_generator(self, context, version=version, tokenizer=tokenizer, max_running=max_running,
+                                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
 
     # ------------------------------------------------------------------ training
 

@@ -28,7 +28,7 @@ LAYOUTS = {"d1": (1, 1, 1), "t2": (1, 2, 1), "p2": (1, 1, 2), "t2p2": (1, 2, 2)}
 DROPOUT_LAYOUTS = ("d1", "t2")
 MODES = ("full", "selective")
 CASES = (["case_setup"] + [f"case_{tag}" for tag in LAYOUTS]
-         + [f"case_{tag}_dropout" for tag in DROPOUT_LAYOUTS])
+         + [f"case_{tag}_dropout" for tag in DROPOUT_LAYOUTS] + ["case_optimizer_offload_on_cpu"])
 
 
 def _micro_batches():
@@ -106,6 +106,37 @@ for _tag in LAYOUTS:
     globals()[f"case_{_tag}"] = (lambda t: lambda ctx: _compare(ctx, t))(_tag)
 for _tag in DROPOUT_LAYOUTS:
     globals()[f"case_{_tag}_dropout"] = (lambda t: lambda ctx: _compare(ctx, t, dropout=0.2))(_tag)
+
+
+def case_optimizer_offload_on_cpu(ctx):
+    """``training.optimizer_offload`` (+ master weights) on a CPU host: accepted, nothing moves, the
+    step is the plain one (the GPU path is exercised by benchmarks/device_check.sh)."""
+    import logging
+
+    from transformers import AutoConfig
+
+    from parallel.engine import MegatronEngine
+    from parallel.groups import ParallelStrategy, build_model_groups
+    from parallel.optim import EngineOptimizerConfig
+    from realflow.api.model_options import TrainingMemoryConfig
+
+    groups = build_model_groups([0], ParallelStrategy())
+    if not groups.is_member:
+        return None
+    path = os.path.join(ctx.tmpdir, "lm")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("realflow.parallel").addHandler(handler)
+    logging.getLogger("realflow.parallel").setLevel(logging.INFO)
+    losses = []
+    for training in (TrainingMemoryConfig(), TrainingMemoryConfig(optimizer_offload=True, offload_master_weights=True)):
+        eng = MegatronEngine(AutoConfig.from_pretrained(path), groups, path,
+                             EngineOptimizerConfig(lr=1e-3, total_train_steps=2), seed=1, training=training)
+        losses.append([eng.train_batch(_micro_batches(), _loss, _weight)["loss"] for _ in range(2)])
+        assert eng.offload is None
+    assert losses[0] == losses[1], losses
+    assert sum("optimizer_offload" in r.getMessage() for r in records) == 1, [r.getMessage() for r in records]
 
 
 @pytest.fixture(scope="module")

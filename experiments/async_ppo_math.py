@@ -33,7 +33,7 @@ from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import graph_registry
 from realflow.api.experiment import (DatasetSpec, ExperimentSetup, ModelSpec, OptimizerConfig,
                                      register_experiment)
-from realflow.api.generation import GenServerLimits
+from realflow.api.generation import GenServerLimits, check_inference_memory
 from realflow.api.reward import REWARD_FUNCTIONS
 from realflow.api.rollout import RolloutError, RolloutSpec
 
@@ -66,9 +66,19 @@ class AsyncRolloutConfig:
     agent_timeout_s: float = field(default=600.0, metadata={
         "help": "an agent that does not return a rollout within this fails it (logged, counted as a timeout)"})
     max_running_requests: int = field(default=128, metadata={"help": "KV-cache slots per generation server"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "fraction of a generation server's free device memory its KV cache may take, in (0, 1] "
+                "(SGLang: mem_fraction_static)"})
+    max_model_len: Optional[int] = field(default=None, metadata={
+        "help": "prompt + new tokens of one sequence on a generation server, the length of each KV-cache slot "
+                "(None = the model's context; SGLang: context_length)"})
     backend: str = field(default="builtin", metadata={"help": "generation backend: builtin | sglang"})
     server_limits: GenServerLimits = field(default_factory=GenServerLimits, metadata={
         "help": "what each generation server accepts (bounds -> 400/413, a full queue -> 429 + Retry-After)"})
+
+    def __post_init__(self) -> None:
+        # the model's context is checked in setup(), once its checkpoint is known
+        check_inference_memory(self.gpu_memory_utilization, self.max_model_len, prefix="rollout.")
 
 
 @dataclass
@@ -104,10 +114,16 @@ class _AsyncBase(_RLBase):
 
     def _check_gen_fits(self, tp: int, actor: str) -> None:
         cfg_path = os.path.join(actor, "config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path) as f:
+                hf = json.load(f)
+        else:  # the SFT start prepare() will train, if that is where the actor comes from
+            hf = self.planned_actor_config() or {}
+        ctx = hf.get("max_position_embeddings")
+        check_inference_memory(self.rollout.gpu_memory_utilization, self.rollout.max_model_len,
+                               int(ctx) if ctx else None, prefix="rollout.")
         if tp == 1 or not os.path.isfile(cfg_path):
             return
-        with open(cfg_path) as f:
-            hf = json.load(f)
         heads = int(hf.get("num_attention_heads", 0))
         kv = int(hf.get("num_key_value_heads", heads))
         if heads % tp or kv % tp:
@@ -133,8 +149,9 @@ class _AsyncBase(_RLBase):
             actor_args={**h.actor_args(), "seed": self.seed})
         mfcs = graph_registry.get("async_ppo")(gcfg)
         planned = self.planned_actor_config()
+        self._check_generator_len(actor, planned)
         models = {ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
-                                   expected_config=planned, lora=lora)}
+                                   expected_config=planned, lora=lora, training=self.training)}
         if gcfg.use_ref and not lora.enabled:
             models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok, expected_config=planned)
         data_args = self.data_args()
@@ -149,6 +166,7 @@ class _AsyncBase(_RLBase):
                 dataset_args=data_args, n_servers=gen.dp, server_tp=gen.tp, backend=r.backend,
                 lora=_served_lora(models[ACTOR]),
                 max_running_requests=r.max_running_requests, n_rollout_workers=r.n_rollout_workers,
+                gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len,
                 max_concurrent_rollouts=r.max_concurrent_rollouts, agent=r.agent, agent_args=agent_args,
                 max_head_offpolicyness=r.max_head_offpolicyness, train_batch_size=self.batch_size,
                 weight_sync=r.weight_sync, weight_broadcast_timeout_s=r.weight_broadcast_timeout_s,

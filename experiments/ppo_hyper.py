@@ -16,6 +16,7 @@ from typing import Any, Callable, ClassVar, Optional
 
 from mfc.ppo_config import PPOConfig
 from realflow.api.config_values import config_to_dict
+from realflow.api.generation import check_inference_memory
 
 
 @dataclass
@@ -45,6 +46,14 @@ class PPOHyperConfig(PPOConfig):
                 "(asynchronous runs: dropped at the rollout side, never counted against staleness)"})
     dynamic_sampling_max_rounds: int = field(default=8, metadata={
         "help": "synchronous: extra rounds of drawing before the step fails with an error saying so"})
+    gpu_memory_utilization: Optional[float] = field(default=None, metadata={
+        "help": "the trainer's own generator (synchronous generation, held-out evaluation): fraction of the free "
+                "device memory its KV cache may take, in (0, 1] (None = 0.5, beside the trainer's state; "
+                "generation servers: rollout.gpu_memory_utilization)"})
+    max_model_len: Optional[int] = field(default=None, metadata={
+        "help": "the trainer's generator: prompt + new tokens of one sequence, the length of each KV-cache slot "
+                "(None = the longest prompt + max_new_tokens rounded up to a power of two, at most the model's "
+                "context; generation servers: rollout.max_model_len)"})
 
     def __post_init__(self) -> None:
         """Every value is checked where it is set (a bad one fails before anything runs): the knobs
@@ -63,6 +72,11 @@ class PPOHyperConfig(PPOConfig):
             raise bad("ref_ema_eta", "must be in (0, 1] (or none: the reference stays fixed)")
         self._check_sampling(bad)
         self._check_combinations()
+        check_inference_memory(0.5 if self.gpu_memory_utilization is None else self.gpu_memory_utilization,
+                               self.max_model_len, prefix="ppo.")
+        if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
+            raise bad("max_model_len", f"leaves no room for a prompt before ppo.max_new_tokens={self.max_new_tokens} "
+                                       f"new tokens: raise it or leave it unset")
 
     def _check_sampling(self, bad: Callable[[str, str], ValueError]) -> None:
         """The sampling keys, with the ranges the generation engine accepts (so a bad one fails here,
@@ -109,7 +123,8 @@ class PPOHyperConfig(PPOConfig):
         """``mfc.ppo_actor.PPOActorInterface`` arguments: the knobs (as plain data: interface arguments
         travel to the workers as msgpack) and the sampling."""
         return {"max_new_tokens": self.max_new_tokens, **self.sampling_args(), "ppo": config_to_dict(self.knobs()),
-                "eval_max_new_tokens": self.max_new_tokens}
+                "eval_max_new_tokens": self.max_new_tokens, "gpu_memory_utilization": self.gpu_memory_utilization,
+                "max_model_len": self.max_model_len}
 
     def critic_args(self) -> dict[str, Any]:
         """``mfc.ppo_critic.PPOCriticInterface`` arguments (the same knobs as the actor's)."""

@@ -27,6 +27,7 @@ from realflow.api.model_options import LoRAConfig
 from realflow.base.hf_models import describe_supported, resolve_checked_model, resolve_model_path
 from realflow.api.experiment import (BaseExperimentConfig, DatasetSpec, EvalSpec, ExperimentSetup,
                                      GroupFilterSpec, ModelSpec, OptimizerConfig, register_experiment)
+from realflow.api.model_options import TrainingMemoryConfig
 
 SFT_TIMEOUT_S = 1800
 SUPPORTED_HELP = "Supported: " + describe_supported()
@@ -81,6 +82,8 @@ class _RLBase(BaseExperimentConfig):
     algorithm: str = field(default="", metadata={
         "help": "a preset of ppo.* keys: " + " | ".join(ALGORITHMS) + " ('' = the experiment's own defaults; "
                 "see the presets at the end of --help and docs/algorithms.md)"})
+    training: TrainingMemoryConfig = field(default_factory=TrainingMemoryConfig, metadata={
+        "help": "memory-for-time trades of the trained models (actor, critic)"})
 
     PRESETS = presets()
     _graph = "grpo"
@@ -180,6 +183,7 @@ class _RLBase(BaseExperimentConfig):
         actor, tok, train, test = self._paths()
         planned = self.planned_actor_config()
         h = self.ppo
+        self._check_generator_len(actor, planned)
         use_critic = self._graph == "ppo"
         if h.estimator == "gae" and not use_critic:
             raise ValueError(f"ppo.estimator=gae needs a critic, and experiment={self._name} has none "
@@ -197,7 +201,7 @@ class _RLBase(BaseExperimentConfig):
         mfcs = graph_registry.get(self._graph)(gcfg)
         models = {
             ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
-                             expected_config=planned, lora=lora),
+                             expected_config=planned, lora=lora, training=self.training),
             REWARD: ModelSpec(role=REWARD, path=tok, tokenizer_path=tok, backend="none"),
         }
         if gcfg.use_ref and not lora.enabled:
@@ -207,7 +211,7 @@ class _RLBase(BaseExperimentConfig):
                       if self.model.critic_path else actor)
             models[CRITIC] = ModelSpec(role=CRITIC, path=critic, tokenizer_path=tok,
                                        optimizer=self.critic_optimizer, backend_args={"critic": True},
-                                       lora=self.model.critic_lora,
+                                       lora=self.model.critic_lora, training=self.training,
                                        expected_config=None if self.model.critic_path else planned)
         data_args = self.data_args()
         return ExperimentSetup(
@@ -220,6 +224,16 @@ class _RLBase(BaseExperimentConfig):
             eval=self._eval_spec(test, data_args),
             **self.runtime_fields(),
         )
+
+    def _check_generator_len(self, actor: str, planned: Optional[dict]) -> None:
+        """``ppo.max_model_len`` within the actor's context (a one-line error before any worker starts)."""
+        if self.ppo.max_model_len is None:
+            return
+        from parallel.backend import read_hf_config
+        from realflow.api.generation import check_inference_memory
+
+        ctx = (read_hf_config(actor) or planned or {}).get("max_position_embeddings")  # the engine's limit
+        check_inference_memory(self.ppo.gpu_memory_utilization or 0.5, self.ppo.max_model_len, ctx, prefix="ppo.")
 
     def _eval_reward(self) -> tuple[str, dict[str, Any]]:
         """(reward, args) that score held-out responses: ``eval_reward``, else the task's check
@@ -244,6 +258,8 @@ class _RLBase(BaseExperimentConfig):
                         interface_impl="ppo_actor",
                         interface_args={"eval_max_new_tokens": h.max_new_tokens, "eval_n_samples": self.eval_n_samples,
                                         "max_new_tokens": h.max_new_tokens, **h.sampling_args(),
+                                        "gpu_memory_utilization": h.gpu_memory_utilization,
+                                        "max_model_len": h.max_model_len,
                                         "seed": self.seed, "eval_reward": reward, "eval_reward_args": reward_args},
                         freq_steps=self.eval_freq_steps)
 

@@ -26,6 +26,7 @@ from realflow.api.experiment import (
     OptimizerConfig,
     register_experiment,
 )
+from realflow.api.model_options import TrainingMemoryConfig
 from realflow.base.hf_models import describe_supported, resolve_checked_model, resolve_model_path
 
 
@@ -101,6 +102,8 @@ class SFTConfig(BaseExperimentConfig):
     save_freq_steps: int = field(default=0, metadata={"help": "checkpoint every N steps (0 = only at the end)"})
     eval_freq_steps: int = field(default=0, metadata={"help": "evaluate every N steps (0 = before and after)"})
     eval_max_new_tokens: int = field(default=16, metadata={"help": "greedy tokens per held-out prompt"})
+    training: TrainingMemoryConfig = field(default_factory=TrainingMemoryConfig, metadata={
+        "help": "memory-for-time trades of the trained model"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -205,7 +208,7 @@ class SFTConfig(BaseExperimentConfig):
             mfcs=mfcs,
             models={"default": ModelSpec(role="default", path=model, tokenizer_path=tok, optimizer=self.optimizer,
                                          expected_config=None if self.model.path else planned_hf_config(self.model.arch),
-                                         lora=self.model.lora)},
+                                         lora=self.model.lora, training=self.training)},
             dataset=DatasetSpec(format="sft", path=train, args=data_args),
             n_workers=self.n_workers,
             allocation=self.allocation or f"d{self.n_workers}",

@@ -52,6 +52,10 @@ class PPOActorInterface(ModelInterface):
     # decoupled PPO (asynchronous runs): clip against the proximal policy (key PROX_LOGPROBS, from
     # actor_inf) and weight each token by pi_prox / pi_behav, capped at ppo.behav_imp_weight_cap
     decoupled: bool = False
+    # the engine's own generator: KV-cache memory (ppo.gpu_memory_utilization, ppo.max_model_len;
+    # None = the engine's defaults)
+    gpu_memory_utilization: Optional[float] = None
+    max_model_len: Optional[int] = None
 
     def __post_init__(self) -> None:
         # bad sampling settings fail when the interface is built, not at the first generate
@@ -67,7 +71,7 @@ class PPOActorInterface(ModelInterface):
         tok = model.tokenizer
         prompts = [batch.sequences(PROMPTS, i)[0].tolist() for i in range(len(batch))]
         gen = model.module.generator(max(map(len, prompts), default=1) + self.max_new_tokens,
-                                     version=model.version, tokenizer=tok)
+                                     version=model.version, tokenizer=tok, **self._generator_memory())
         # seeds: reproducible per (run seed, weight version, sample)
         params = [self._sampling(tok, self.n_samples, zlib.crc32(f"{self.seed}/{model.version}/{sid}".encode()))
                   for sid in batch.ids]
@@ -104,6 +108,11 @@ class PPOActorInterface(ModelInterface):
                               top_k=self.top_k, min_p=self.min_p, n=n, seed=seed, stop=list(self.stop),
                               stop_token_ids=self._stop_ids(tok),
                               logprob_mode="raw" if self.temperature == 1.0 else "sampling")
+
+    def _generator_memory(self) -> dict[str, Any]:
+        """The KV-cache keys the user set (only those: an engine written before them still works)."""
+        return {k: v for k, v in (("gpu_memory_utilization", self.gpu_memory_utilization),
+                                  ("max_model_len", self.max_model_len)) if v is not None}
 
     def _stop_ids(self, tok: Any) -> list[int]:
         """The tokenizer's eos, then ``stop_token_ids``."""
@@ -203,7 +212,7 @@ class PPOActorInterface(ModelInterface):
         sampled = None
         if eng.strategy.pp == 1 and not eng.is_critic:
             context = max(map(len, prompts), default=1) + max(self.eval_max_new_tokens, self.max_new_tokens)
-            gen = eng.generator(context, version=model.version, tokenizer=tok)
+            gen = eng.generator(context, version=model.version, tokenizer=tok, **self._generator_memory())
             # greedy: no truncation, but a response ends where a training one would
             res = gen.generate(prompts, SamplingParams(max_new_tokens=self.eval_max_new_tokens, temperature=0.0,
                                                        stop=list(self.stop), stop_token_ids=self._stop_ids(tok)))

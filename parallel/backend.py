@@ -51,7 +51,8 @@ class MegatronBackend:
                               config_overrides=_config_overrides(spec),
                               attention=spec.backend_args.get("attention", "sdpa"),
                               critic=bool(spec.backend_args.get("critic", False)),
-                              lora=_lora_for_layout(spec, load_weights))
+                              lora=_lora_for_layout(spec, load_weights),
+                              training=getattr(spec, "training", None))
 
     # ---- parameter reallocation and offload (runtime hooks) ------------------------------------
 

@@ -34,6 +34,7 @@ batch is split into micro-batches.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from typing import Any, Callable, Optional, Sequence
@@ -42,14 +43,15 @@ import torch
 import torch.distributed as dist
 
 from parallel.cpu_compat import apply_cpu_compat
-from parallel.engine_generator import build_colocated_generator
-from parallel.engine_lora import adapter_hf_state, load_adapter, refresh_merged, save_lora
+from parallel.engine_generator import colocated_generator
+from parallel.engine_lora import adapter_hf_state, load_adapter, save_lora
 from parallel.lora import LoRAModel, attach_lora
 from parallel.groups import ModelGroups
 from parallel.hf_io import CheckpointError, gather_hf_state, save_hf_checkpoint
 from parallel.hf_layout import execute_hf_load, gather_hf_state_any, plan_hf_load
 from parallel.mcore_globals import seed_megatron_rng
 from parallel.model import build_gpt_model
+from parallel.model_config import recompute_overrides
 from parallel.nonfinite import (
     NonFiniteError,
     NonFinitePolicy,
@@ -59,6 +61,7 @@ from parallel.nonfinite import (
     params_finite,
 )
 from parallel.optim import EngineOptimizerConfig, build_optimizer
+from parallel.optim_offload import OptimizerOffload
 from parallel.outputs import TokenOutputs
 from parallel.pipeline import (
     MicroBatch,
@@ -109,12 +112,16 @@ class MegatronEngine:
         lora: Optional[LoRAConfig] = None,
         training: Optional[TrainingMemoryConfig] = None,
     ) -> None:
+        """``training``: activation recompute and optimizer offload (``training.*``, see
+        :class:`realflow.api.model_options.TrainingMemoryConfig`); ``config_overrides`` win over
+        the recompute fields it sets."""
         if not groups.is_member:
             raise ValueError(f"MegatronEngine: this rank is not one of the model ranks {groups.ranks}")
         apply_cpu_compat()
         self.hf_config = _load_hf_config(hf_config)
         self.groups = groups
         self.critic = critic
+        self.training = training or TrainingMemoryConfig()
         self.version = 0
         self.nonfinite_policy = NonFinitePolicy()  # the run's: configure_nonfinite (on_nonfinite)
         self.nonfinite_run = 0  # consecutive steps skipped for a non-finite loss or gradient
@@ -122,9 +129,9 @@ class MegatronEngine:
         # a checkpoint; the tracker gives tp ranks distinct model-parallel streams.
         seed_megatron_rng(seed, groups.tp_rank)
         lora = lora if lora is not None and lora.enabled else None
-        self.training_memory = training or TrainingMemoryConfig()
+        overrides = {**recompute_overrides(self.training.gradient_checkpointing), **(config_overrides or {})}
         self.module, self.arch = build_gpt_model(self.hf_config, groups, attention=attention,
-                                                 config_overrides=config_overrides, critic=critic,
+                                                 config_overrides=overrides, critic=critic,
                                                  use_te=False if lora else None)
         self.config = self.module.config
         self.device = next(self.module.parameters()).device
@@ -138,6 +145,7 @@ class MegatronEngine:
             load_adapter(self, lora.path)
         self.optimizer_config = optimizer_config
         self.optimizer = self.scheduler = None
+        self.offload: Optional[OptimizerOffload] = None  # training.optimizer_offload on a GPU
         self.model: torch.nn.Module = self.module
         if optimizer_config is not None:
             self._setup_training(optimizer_config)
@@ -188,6 +196,7 @@ class MegatronEngine:
         )
         if self.config.fp16:  # dynamic loss scaling (bf16 / fp32 need none)
             self.config.grad_scale_func = self.optimizer.scale_loss
+        self.offload = OptimizerOffload.build(self.optimizer, self.training, self.device)
 
     # ------------------------------------------------------------------ helpers
 
@@ -362,8 +371,9 @@ class MegatronEngine:
             active = still
         return new
 
-    def generator(self, context: int, *, version: int, tokenizer: Any = None,
-                  max_running: int = 256) -> BatchGenerator:
+    def generator(self, context: int, *, version: int, tokenizer: Any = None, max_running: int = 256,
+                  gpu_memory_utilization: Optional[float] = None,
+                  max_model_len: Optional[int] = None) -> BatchGenerator:
         """The generation engine over this engine's parameters (built once, then reused; pp = 1, LM only).
 
         ``context``: the longest prompt + new tokens the caller needs; a later call that needs
@@ -371,17 +381,11 @@ class MegatronEngine:
         version; when it differs from the generator's, the weights moved in place since the
         last call (an optimizer step, a reallocation) and the generator refreshes what it
         derives from them. ``tokenizer`` (for stop strings) is taken when the generator is built.
+        ``gpu_memory_utilization`` / ``max_model_len`` size its KV cache (``ppo.*`` keys; see
+        :mod:`parallel.engine_generator` for the defaults).
         """
-        gen = self._generator
-        if gen is not None and gen.max_context < min(context, gen.model_context):
-            self._generator = gen = None  # free the old cache before the larger one is made
-        if gen is None:
-            gen = self._generator = build_colocated_generator(self, context, tokenizer, max_running)
-        if gen.weight_version != version:
-            if self.lora is not None:
-                refresh_merged(self)  # the generator samples from W + (alpha/r) B A
-            gen.weights_updated(version)
-        return gen
+        return colocated_generator(self, context, version=version, tokenizer=tokenizer, max_running=max_running,
+                                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
 
     # ------------------------------------------------------------------ training
 
@@ -466,7 +470,8 @@ class MegatronEngine:
         if payload["error"]:  # before stepping: a bad loss_fn changes nothing
             raise ValueError(payload["error"])
         lr = float(self.optimizer.param_groups[0]["lr"])
-        ok, grad_norm = self._checked_step(payload.get("bad"))
+        with self.offload.resident() if self.offload is not None else contextlib.nullcontext():
+            ok, grad_norm = self._checked_step(payload.get("bad"))
         red = payload["sums"]
         out = {"loss": red[0] / total_w, "grad_norm": grad_norm, "lr": lr,
                "n_tokens": n_tokens, "loss_weight": total_w, "n_mbs": n_mbs,

@@ -19,6 +19,8 @@ __all__ = [
     "HFArch",
     "SUPPORTED_MODEL_TYPES",
     "hf_arch",
+    "precision_overrides",
+    "recompute_overrides",
     "rope_inv_freq",
     "transformer_config_from_hf",
 ]
@@ -143,6 +145,24 @@ def precision_overrides(precision: str) -> dict[str, Any]:
     """TransformerConfig fields of a resolved precision (``fp32`` | ``bf16``): bf16 parameters,
     which megatron's optimizer pairs with fp32 master weights and gradients."""
     return {"bf16": True, "params_dtype": torch.bfloat16} if precision == "bf16" else {}
+
+
+def recompute_overrides(mode: str) -> dict[str, Any]:
+    """TransformerConfig fields of ``training.gradient_checkpointing`` (megatron-core's recompute).
+
+    ``full``: every transformer layer keeps only its input and is run again in the backward
+    (``uniform`` over chunks of one layer: the most memory saved, one extra forward of the
+    layers).  ``selective``: only the core attention (``recompute_modules=["core_attn"]``) is
+    recomputed; megatron checkpoints whatever module sits in the ``core_attention`` slot, so it
+    covers :class:`parallel.attention.SDPACoreAttention` as well as megatron's own and TE's.
+    """
+    if mode == "none":
+        return {}
+    if mode == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if mode == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    raise ValueError(f"training.gradient_checkpointing={mode!r} must be one of none, full, selective")
 
 
 def transformer_config_from_hf(hf_config: Any, **overrides: Any):

@@ -438,3 +438,35 @@ def test_a_nan_weight_update_fails_requests_with_500_and_a_good_update_recovers(
     client.update_weights_from_disk(pa)  # good weights: generation is right again
     r = client.generate([1, 2, 3], {"max_new_tokens": 5, **GREEDY})
     assert r["output_ids"] == hf_greedy(ma, [1, 2, 3], 5)
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization=0.0 must be in (0, 1]"),
+    (["--gpu-memory-utilization", "1.2"], "--gpu-memory-utilization=1.2 must be in (0, 1]"),
+    (["--max-model-len", "0"], "--max-model-len=0 must be an integer >= 2"),
+])
+def test_bad_memory_flags_are_one_line_errors_before_any_backend(args, key, capsys):
+    """The inference memory keys are checked before the backend is built (no model is read)."""
+    from realflow.rollout.gen_server import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "/nonexistent", *args])
+    assert e.value.code == 2 and key in capsys.readouterr().err
+
+
+def test_memory_keys_reach_the_builtin_engine_and_sglang_by_its_names(models):
+    """``max_model_len`` / ``gpu_memory_utilization``: the builtin engine's KV cache length, and
+    SGLang's ``--context-length`` / ``--mem-fraction-static``; above the model's context: an error."""
+    from parallel.generation.backend import build_builtin_backend
+    from parallel.generation.sglang_backend import sglang_command
+    from realflow.api.generation import BackendConfig
+
+    path = models["a"][0]
+    eng = build_builtin_backend(BackendConfig(path, max_running_requests=2, max_model_len=32,
+                                              gpu_memory_utilization=0.25))
+    assert eng.max_context == 32 and eng.config.gpu_memory_utilization == 0.25
+    with pytest.raises(ValueError, match=r"max_model_len=100000 is above the model's context"):
+        build_builtin_backend(BackendConfig(path, max_model_len=100_000))
+    cmd = sglang_command(BackendConfig(path, max_model_len=2048, gpu_memory_utilization=0.8), "127.0.0.1", 30000)
+    assert cmd[cmd.index("--context-length") + 1] == "2048"
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.8"

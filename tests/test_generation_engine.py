@@ -109,13 +109,13 @@ def test_greedy_equals_transformers_with_joins(ckpts, family):
 
 def test_eos_stops_and_context_limit(ckpts):
     path, model = ckpts["qwen2"]
-    eng = _engine(path, max_seq_len=24)
+    eng = _engine(path, max_model_len=24)
     base = eng.generate([PROMPTS[1]], greedy(8))[0].output_ids
     eng.spec = dataclasses.replace(eng.spec, eos_token_ids=(base[3],))  # as if eos were base[3]
     r = eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
     assert r.output_ids == base[:base.index(base[3]) + 1]
     assert r.finish_reason == {"type": "stop", "matched": base[3]}
-    long = eng.generate([PROMPTS[2]], greedy(100))[0]  # 17 + 7 = 24 = max_seq_len
+    long = eng.generate([PROMPTS[2]], greedy(100))[0]  # 17 + 7 = 24 = max_model_len
     assert len(long.output_ids) == 7 and long.finish_reason["type"] == "length"
     assert long.output_ids == hf_greedy(model, PROMPTS[2], 7)
 
@@ -350,7 +350,7 @@ def test_staged_update_generation_goes_on_then_swaps(ckpts):
     ("seed", -3, "seed"), ("logprob_mode", "x", "logprob_mode"), ("stop_token_ids", [10 ** 6], "stop_token_ids"),
 ])
 def test_bad_params(ckpts, field, value, match):
-    eng = _engine(ckpts["qwen2"][0], max_seq_len=32)
+    eng = _engine(ckpts["qwen2"][0], max_model_len=32)
     sp = greedy(4)
     setattr(sp, field, value)
     with pytest.raises(ValueError, match=match):
@@ -434,7 +434,7 @@ def test_kv_cache_shrinks_to_the_memory_it_may_take(ckpts, monkeypatch, caplog):
                           cfg.hidden_size // cfg.num_attention_heads, 64, torch.float32)
     monkeypatch.setattr(engine_mod, "free_bytes", lambda device: 3 * per_slot * 2)  # fraction 0.5: 3 slots
     with caplog.at_level("WARNING", logger="realflow.generation"):
-        eng = _engine(path, max_running_requests=8, max_seq_len=64, kv_cache_memory_fraction=0.5)
+        eng = _engine(path, max_running_requests=8, max_model_len=64, gpu_memory_utilization=0.5)
     assert eng.config.max_running_requests == 3 and eng.cache.slots == 3
     kv = eng.cache.kt.numel() * eng.cache.kt.element_size() + eng.cache.v.numel() * eng.cache.v.element_size()
     assert kv == 3 * per_slot  # the budget counts what the cache allocates
@@ -443,7 +443,13 @@ def test_kv_cache_shrinks_to_the_memory_it_may_take(ckpts, monkeypatch, caplog):
     assert [r.output_ids for r in res] == [hf_greedy(model, p, 6) for p in PROMPTS[:5]]
 
     monkeypatch.setattr(engine_mod, "free_bytes", lambda device: per_slot // 2)
-    with pytest.raises(ValueError, match=r"one slot needs .* GiB .*lower max_seq_len"):
-        _engine(path, max_running_requests=8, max_seq_len=64)
-    with pytest.raises(ValueError, match=r"kv_cache_memory_fraction=1.5: must be in \[0, 1\]"):
-        _engine(path, kv_cache_memory_fraction=1.5)
+    with pytest.raises(ValueError, match=r"one slot needs .* GiB .*lower max_model_len .* raise gpu_memory_util"):
+        _engine(path, max_running_requests=8, max_model_len=64)
+    for bad in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match=rf"^gpu_memory_utilization={bad} must be in \(0, 1\]"):
+            _engine(path, gpu_memory_utilization=bad)
+    with pytest.raises(ValueError, match=r"^max_model_len=0 must be an integer >= 2"):
+        _engine(path, max_model_len=0)
+    ctx = cfg.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"^max_model_len={ctx + 1} is above the model's context of {ctx} tokens"):
+        _engine(path, max_model_len=ctx + 1)

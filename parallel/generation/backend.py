@@ -25,7 +25,8 @@ def build_builtin_backend(cfg: BackendConfig) -> GenerationEngine:
     if unknown:
         raise ValueError(f"builtin backend: unknown option(s) {unknown}")
     tokenizer = _try_tokenizer(cfg.tokenizer_path or cfg.model_path)
-    econf = EngineConfig(max_running_requests=cfg.max_running_requests, max_seq_len=cfg.max_seq_len,
+    econf = EngineConfig(max_running_requests=cfg.max_running_requests, max_model_len=cfg.max_model_len,
+                         gpu_memory_utilization=cfg.gpu_memory_utilization,
                          seed=cfg.seed, **cfg.extra)
     engine = GenerationEngine.from_hf(cfg.model_path, econf, tokenizer=tokenizer, dtype=_DTYPES[cfg.dtype])
     if cfg.lora:

@@ -37,7 +37,8 @@ from parallel.generation.sampler import SampleBatch, sample
 from parallel.generation.weights import (DecoderWeights, ModelSpec, load_hf_weights,
                                          mcore_from_hf_tensors)
 from parallel.hf_io import CheckpointError, param_table
-from realflow.api.generation import GenerationFailed, GenerationResult, SamplingParams, validate_input_ids
+from realflow.api.generation import (GenerationFailed, GenerationResult, SamplingParams, check_inference_memory,
+                                     validate_input_ids)
 from realflow.base.devices import worker_device
 
 __all__ = ["EngineConfig", "GenerationEngine"]
@@ -48,23 +49,20 @@ class EngineConfig:
     """Capacity of the engine (the KV cache is allocated once from these)."""
 
     max_running_requests: int = 64  # KV-cache slots
-    max_seq_len: Optional[int] = None  # prompt + output; default max_position_embeddings
+    # prompt + output of one sequence (the KV cache's length per slot); default max_position_embeddings
+    max_model_len: Optional[int] = None
     max_prefill_tokens: int = 8192  # per step, for joining requests (at least one joins)
     seed: int = 0  # seeds of requests that bring none
     # the KV cache may take this fraction of the device's free memory at build time; fewer slots
-    # when the requested ones do not fit (see parallel.generation.kv_budget); 0 = no limit
-    kv_cache_memory_fraction: float = 0.9
+    # when the requested ones do not fit (see parallel.generation.kv_budget)
+    gpu_memory_utilization: float = 0.9
 
     def validate(self) -> "EngineConfig":
         if self.max_running_requests < 1:
-            raise ValueError(f"EngineConfig.max_running_requests={self.max_running_requests}: must be >= 1")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ValueError(f"EngineConfig.max_seq_len={self.max_seq_len}: must be >= 2")
+            raise ValueError(f"max_running_requests={self.max_running_requests}: must be >= 1")
+        check_inference_memory(self.gpu_memory_utilization, self.max_model_len)
         if self.max_prefill_tokens < 1:
-            raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens}: must be >= 1")
-        if not 0.0 <= self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(f"EngineConfig.kv_cache_memory_fraction={self.kv_cache_memory_fraction}: "
-                             f"must be in [0, 1] (0 = no limit)")
+            raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens}: must be >= 1")
         return self
 
 
@@ -122,13 +120,14 @@ class GenerationEngine:
         self.spec = ModelSpec.from_hf(hf_config, tp_rank, tp_size)
         self.weights = DecoderWeights(self.spec, weights)
         ctx = self.spec.arch.max_position_embeddings
-        self._max_context = min(ctx, self.config.max_seq_len or ctx)
+        check_inference_memory(self.config.gpu_memory_utilization, self.config.max_model_len, ctx)
+        self._max_context = self.config.max_model_len or ctx
         self.decoder = Decoder(self.weights, self._max_context, tp_group)
         dev = self.weights.device
         slots = fit_slots(self.config.max_running_requests,
                           slot_bytes(self.spec.num_layers, self.spec.local_groups, self.spec.head_dim,
                                      self._max_context, self.weights.dtype),
-                          free_bytes(dev), self.config.kv_cache_memory_fraction, f"device {dev}")
+                          free_bytes(dev), self.config.gpu_memory_utilization, f"device {dev}")
         self.config = dataclasses.replace(self.config, max_running_requests=slots)
         self.cache = KVCache(self.spec, self.config.max_running_requests, self._max_context,
                              self.weights.dtype, self.weights.device)

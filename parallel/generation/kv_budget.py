@@ -5,7 +5,7 @@ Why: slots x context x layers x kv-heads is easily more than a GPU holds (a 7B Q
 process down with a CUDA out-of-memory error that names nothing the user can change. So the
 engine asks here first: the requested slots if they fit in a fraction of the device's free
 memory, fewer if not (logged: generation still runs, with fewer sequences at a time), and a
-clear error naming ``max_running_requests``, ``max_seq_len`` and the numbers when not even one
+clear error naming ``max_running_requests``, ``max_model_len`` and the numbers when not even one
 slot fits.
 """
 from __future__ import annotations
@@ -53,7 +53,8 @@ def fit_slots(requested: int, per_slot: int, free: Optional[int], fraction: floa
     if fits < 1:
         raise ValueError(f"generation KV cache: one slot needs {per_slot / gib:.2f} GiB but {where} has "
                          f"{budget / gib:.2f} GiB for it ({fraction:g} of {free / gib:.2f} GiB free); lower "
-                         f"max_seq_len (prompt + new tokens) or use tensor parallelism for generation")
+                         f"max_model_len (prompt + new tokens), raise gpu_memory_utilization or use tensor "
+                         f"parallelism for generation")
     logger.warning("generation KV cache: %d slots (max_running_requests) need %.2f GiB, %s has %.2f GiB for it "
                    "(%g of %.2f GiB free): running %d sequences at a time instead", requested,
                    requested * per_slot / gib, where, budget / gib, fraction, free / gib, fits)

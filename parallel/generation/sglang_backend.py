@@ -38,8 +38,11 @@ def sglang_command(cfg: BackendConfig, host: str, port: int) -> list[str]:
            "--random-seed", str(cfg.seed)]
     if cfg.tokenizer_path:
         cmd += ["--tokenizer-path", cfg.tokenizer_path]
-    if cfg.max_seq_len:
-        cmd += ["--context-length", str(cfg.max_seq_len)]
+    # SGLang's names for the two keys (its fraction counts the GPU's memory for weights + KV cache,
+    # the built-in engine's the free memory for its KV cache: the same knob, one name for users)
+    cmd += ["--mem-fraction-static", str(cfg.gpu_memory_utilization)]
+    if cfg.max_model_len:
+        cmd += ["--context-length", str(cfg.max_model_len)]
     if cfg.lora:  # LoRA serving: adapters load through /load_lora_adapter (realflow.weights.rounds)
         cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora["r"]), "--max-loras-per-batch", "1"]
         if cfg.lora.get("target_modules"):

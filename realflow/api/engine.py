@@ -140,9 +140,12 @@ class TrainEngine(Protocol):
         ...
 
     def generator(self, context: int, *, version: int, tokenizer: Any = None,
-                  max_running: int = 256) -> BatchGenerator:
+                  max_running: int = 256, gpu_memory_utilization: Optional[float] = None,
+                  max_model_len: Optional[int] = None) -> BatchGenerator:
         """The engine's own sampler over its current weights for prompt + answer up to ``context`` tokens,
-        built on first use and kept; ``version`` (the model's weight version) tells it the weights moved."""
+        built on first use and kept; ``version`` (the model's weight version) tells it the weights moved.
+        ``gpu_memory_utilization`` / ``max_model_len`` (None: the engine's defaults) size its KV cache;
+        callers pass them only when the user set them, so engines written before them still work."""
         ...
 
     def save_hf(self, path: str, tokenizer_dir: Optional[str] = None) -> None:

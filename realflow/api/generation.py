@@ -39,6 +39,7 @@ __all__ = [
     "LOGPROB_MODES",
     "PAUSE_MODES",
     "validate_input_ids",
+    "check_inference_memory",
 ]
 
 LOGPROB_MODES = ("raw", "sampling")
@@ -240,6 +241,31 @@ class ExternalServerBackend(Protocol):
         ...
 
 
+def check_inference_memory(gpu_memory_utilization: Any, max_model_len: Any, model_context: Optional[int] = None,
+                           prefix: str = "") -> None:
+    """The one rule for the two inference memory keys, wherever they are set (``rollout.*`` of an
+    asynchronous run, ``ppo.*`` of the trainer's generator, a gen server's flags, an engine's config).
+
+    ``gpu_memory_utilization``: the fraction of the device's free memory, when the engine starts,
+    that its KV cache may take (SGLang: ``mem_fraction_static``), in (0, 1]. ``max_model_len``:
+    prompt + new tokens of one sequence, what each KV-cache slot holds (SGLang: ``context_length``);
+    None = the model's context. Raises ValueError naming ``prefix + key`` and what to do.
+    """
+    g = gpu_memory_utilization
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 < g <= 1.0:
+        raise ValueError(f"{prefix}gpu_memory_utilization={g!r} must be in (0, 1]: the fraction of the device's "
+                         f"free memory the KV cache may take (e.g. 0.9 on a generation server)")
+    n = max_model_len
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"{prefix}max_model_len={n!r} must be an integer >= 2 (prompt + new tokens of one "
+                         f"sequence), or unset for the model's context")
+    if model_context is not None and n > model_context:
+        raise ValueError(f"{prefix}max_model_len={n} is above the model's context of {model_context} tokens "
+                         f"(max_position_embeddings): lower it, or leave it unset for the whole context")
+
+
 @dataclass
 class BackendConfig:
     """What a backend factory gets from the server's command line."""
@@ -247,7 +273,8 @@ class BackendConfig:
     model_path: str
     tokenizer_path: Optional[str] = None  # default: model_path when it holds a tokenizer
     max_running_requests: int = 64
-    max_seq_len: Optional[int] = None  # default: the model's max_position_embeddings
+    max_model_len: Optional[int] = None  # prompt + new tokens per sequence; default the model's context
+    gpu_memory_utilization: float = 0.9  # of the device's free memory, for the KV cache (see check_inference_memory)
     dtype: str = "float32"
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)

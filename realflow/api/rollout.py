@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from realflow.api.batch import SequenceBatch
-from realflow.api.generation import GenServerLimits
+from realflow.api.generation import GenServerLimits, check_inference_memory
 from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REWARDS, VERSIONS
 
 __all__ = ["RolloutSpec", "Trajectory", "rollout_to_batch", "TRAJECTORY_KEYS", "VERSION_ADMIT",
@@ -65,6 +65,8 @@ class RolloutSpec:
     backend: str = "builtin"
     backend_imports: list[str] = field(default_factory=list)  # beside the built-in generation plugins (realflow.plugins)
     max_running_requests: int = 64
+    gpu_memory_utilization: float = 0.9  # per server: see realflow.api.generation.check_inference_memory
+    max_model_len: Optional[int] = None  # per server: prompt + new tokens per sequence (None = the model's context)
     n_rollout_workers: int = 1
     max_concurrent_rollouts: int = 32  # per rollout worker
     agent: str = "math"
@@ -97,6 +99,10 @@ class RolloutSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise bad(name, "must be an integer >= 1")
+        try:
+            check_inference_memory(self.gpu_memory_utilization, self.max_model_len)
+        except ValueError as e:
+            raise RolloutError(str(e)) from None
         if self.weight_sync not in WEIGHT_SYNC_MODES:
             raise bad("weight_sync", f"expected one of {WEIGHT_SYNC_MODES}")
         if self.weight_sync_delta not in WEIGHT_SYNC_DELTA_MODES:

@@ -65,7 +65,8 @@ from typing import Any, Optional
 from aiohttp import web
 
 from realflow.api.generation import (PAUSE_MODES, BackendConfig, ExternalServerBackend, GenerationResult,
-                                     GenServerLimits, SamplingParams, generation_backends)
+                                     GenServerLimits, SamplingParams, check_inference_memory,
+                                     generation_backends)
 from realflow.base.fault_injection import fault_point
 from realflow.plugins import load_plugins
 from realflow.rollout.gen_server_state import BadRequest, GenServer, Overloaded
@@ -422,7 +423,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--port", type=int, default=0, help="0 = any free port (printed as READY url)")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--max-running-requests", type=int, default=64)
-    ap.add_argument("--max-seq-len", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="prompt + new tokens of one sequence, the length of each KV-cache slot (default: the "
+                         "model's context; SGLang: --context-length)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="fraction of the device's free memory the KV cache may take, in (0, 1] "
+                         "(SGLang: --mem-fraction-static)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -441,8 +447,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = ap.parse_args(argv)
     try:
         limits = GenServerLimits(**{f.name: getattr(a, f.name) for f in fields(GenServerLimits)}).validate()
+        check_inference_memory(a.gpu_memory_utilization, a.max_model_len, prefix="--")
     except ValueError as e:
-        ap.error(str(e))
+        ap.error(str(e).replace("--max_model_len", "--max-model-len")
+                 .replace("--gpu_memory_utilization", "--gpu-memory-utilization"))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s gen_server %(levelname)s %(message)s")
     if a.threads:
         import torch
@@ -451,7 +459,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     load_plugins(a.imports, kinds=("generation",))
     factory = generation_backends.get(a.backend)
     cfg = BackendConfig(model_path=a.model, tokenizer_path=a.tokenizer,
-                        max_running_requests=a.max_running_requests, max_seq_len=a.max_seq_len,
+                        max_running_requests=a.max_running_requests, max_model_len=a.max_model_len,
+                        gpu_memory_utilization=a.gpu_memory_utilization,
                         dtype=a.dtype, seed=a.seed)
     if (a.lora_r is None) != (a.lora_alpha is None):
         ap.error("--lora-r and --lora-alpha go together")

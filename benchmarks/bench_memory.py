@@ -77,10 +77,20 @@ def recompute_selective(kw: dict[str, Any]) -> dict[str, Any]:
     return {**kw, "training": _training(gradient_checkpointing="selective")}
 
 
+def lora_r16(kw: dict[str, Any]) -> dict[str, Any]:
+    """LoRA r=16, alpha 32 on q/k/v/o (the seed's settings): the base frozen, adapters trained."""
+    from realflow.api.model_options import LoRAConfig
+
+    return {**kw, "training": _training(),
+            "lora": LoRAConfig(enabled=True, r=16, alpha=32.0, dropout=0.05,
+                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])}
+
+
 VARIANTS: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
     ("full fine-tuning", full_finetune),
     ("full + recompute (full)", recompute_full),
     ("full + recompute (selective)", recompute_selective),
+    ("LoRA r=16 (q,k,v,o)", lora_r16),
 ]
 
 
@@ -149,9 +159,30 @@ def measure(ckpt: str, cfg: Any, kw: dict[str, Any], mbs: list[Any], warmup: int
         step()
         times.append(time.perf_counter() - t0)
     peak = peak_step_bytes(step, eng.device)
+    state = trained_state_bytes(eng)
     del eng
     gc.collect()
-    return {"step_s": statistics.median(times), "peak_bytes": float(peak)}
+    return {"step_s": statistics.median(times), "peak_bytes": float(peak), **state}
+
+
+def trained_state_bytes(eng: Any) -> dict[str, float]:
+    """Trainable parameters and what training keeps for them: gradient buffers, the optimizer's
+    states and its own parameter shards (fp32 masters in bf16 runs; views of the weights in fp32)."""
+    trainable = [p for p in eng.module.parameters() if p.requires_grad]
+    grads = sum(p.main_grad.numel() * p.main_grad.element_size() for p in trainable
+                if getattr(p, "main_grad", None) is not None)
+    inner = eng.optimizer.optimizer
+    moments = sum(t.numel() * t.element_size() for st in inner.state.values() for t in st.values()
+                  if torch.is_tensor(t) and t.dim() > 0)
+    own = {p.data_ptr() for p in trainable}
+    masters = sum(p.numel() * p.element_size() for g in inner.param_groups for p in g["params"]
+                  if p.data_ptr() not in own and p.dim() > 0 and not _is_view_of(p, trainable))
+    return {"trainable": float(sum(p.numel() for p in trainable)), "state_bytes": float(grads + moments + masters)}
+
+
+def _is_view_of(p: torch.Tensor, params: list[torch.Tensor]) -> bool:
+    base = p.untyped_storage().data_ptr()
+    return any(q.untyped_storage().data_ptr() == base for q in params)
 
 
 def memory_section(args: argparse.Namespace) -> None:
@@ -179,21 +210,33 @@ def memory_section(args: argparse.Namespace) -> None:
               f"{'bf16 on ' + torch.cuda.get_device_name() if on_gpu else 'fp32 on CPU'}, "
               f"{torch.get_num_threads()} thread(s)")
         print(f"| {'variant':<30} | {'step peak MiB':>13} | {'memory vs base':>14} | {'step s':>7} | "
-              f"{'time vs base':>12} |")
-        print(f"|{'-' * 32}|{'-' * 15}|{'-' * 16}|{'-' * 9}|{'-' * 14}|")
+              f"{'time vs base':>12} | {'trainable':>10} | {'grads+optim MiB':>15} | {'vs base':>7} |")
+        print(f"|{'-' * 32}|{'-' * 15}|{'-' * 16}|{'-' * 9}|{'-' * 14}|{'-' * 12}|{'-' * 17}|{'-' * 9}|")
         base = None
         for name, variant in VARIANTS:
             r = measure(ckpt, cfg, variant(kw), mbs, warmup, steps)
             base = base or r
             print(f"| {name:<30} | {r['peak_bytes'] / MiB:13.1f} | "
                   f"{base['peak_bytes'] / max(r['peak_bytes'], 1):13.2f}x | {r['step_s']:7.3f} | "
-                  f"{r['step_s'] / base['step_s']:11.2f}x |", flush=True)
+                  f"{r['step_s'] / base['step_s']:11.2f}x | {r['trainable'] / 1e6:9.3f}M | "
+                  f"{r['state_bytes'] / MiB:15.2f} | {100 * r['state_bytes'] / base['state_bytes']:6.2f}% |",
+                  flush=True)
     print("\nmemory vs base = base peak / variant peak (goal for recompute: >= 3x); "
-          "time vs base = variant step / base step (goal: <= 1.35x)")
+          "time vs base = variant step / base step (goal: <= 1.35x); grads+optim = gradient buffers + "
+          "optimizer states + its master shards of the trained parameters (goal for LoRA: <= 5% of full)")
+
+
+def weight_update_section(args: argparse.Namespace) -> None:
+    """Bytes and time of one weight update on a ~100M model: full vs LoRA adapters vs delta, and
+    the generation engine's decode linears with adapters merged vs run separately."""
+    from benchmarks.bench_lora_update import print_sections
+
+    print_sections(args.quick)
 
 
 SECTIONS: list[tuple[str, Callable[[argparse.Namespace], None]]] = [
-    ("activation memory and step time: full fine-tuning vs recompute", memory_section),
+    ("activation memory and step time: full fine-tuning vs recompute vs LoRA", memory_section),
+    ("weight updates: full vs LoRA adapters vs delta (~100M model)", weight_update_section),
 ]
 
 

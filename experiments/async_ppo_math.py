@@ -202,7 +202,7 @@ class _AsyncBase(_RLBase):
 
 def _served_lora(actor: ModelSpec) -> Optional[dict[str, Any]]:
     """What generation servers need of a LoRA actor (r, alpha, targets; a starting adapter's own)."""
-    from parallel.backend import resolved_lora
+    from parallel.lora_checks import resolved_lora
 
     lora = resolved_lora(actor)
     return None if lora is None else lora.as_dict()

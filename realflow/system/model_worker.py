@@ -161,10 +161,8 @@ class ModelWorker:
         controller hands to the servers on this host (released after the round; ``shm:
         false`` when there are none), and, when ``group`` names receivers (servers on
         other hosts), a torch.distributed broadcast to them (:mod:`realflow.weights.publisher`);
-        ``"disk"``: an HF checkpoint at ``path``. Only the writer (dp 0, tp 0, pp 0)
-        returns something. A model that trains LoRA adapters publishes the adapters only
-        (PEFT names; the servers merge them into their base), and saves an adapter directory.
-        """
+        ``"disk"``: an HF checkpoint at ``path``. Only the writer (dp 0, tp 0, pp 0) returns
+        something. A LoRA model publishes (and saves) its adapters only; servers merge them."""
         role = payload["role"]
         model = self.store.home_model(role)
         with self.tracer.span(f"publish:{role}", version=payload["version"]):
@@ -182,11 +180,10 @@ class ModelWorker:
                                            payload.get("shm", True), payload.get("delta"))
 
     def _saving_interface(self, role: str) -> Any:
-        """The interface that saves ``role``: its train step's (an inference-only interface on the same
-        model, such as the reference of a LoRA run on the actor's base, saves nothing)."""
-        mfcs = [m for m in self.setup.mfcs if m.model_name == role]
-        trained = [m for m in mfcs if m.interface_type == ModelInterfaceType.TRAIN_STEP]
-        return self.interfaces[(trained or mfcs)[0].name]
+        """``role``'s train-step interface saves it (not e.g. a LoRA run's reference on the same model)."""
+        mfcs = sorted((m for m in self.setup.mfcs if m.model_name == role),
+                      key=lambda m: m.interface_type != ModelInterfaceType.TRAIN_STEP)
+        return self.interfaces[mfcs[0].name]
 
     def _is_writer(self, role: str) -> bool:
         return self.plan.role_home[role].workers[0] == self.index

@@ -315,5 +315,10 @@ def case_generation_with_adapter_updates(ctx):
         assert err <= OUT_ATOL, err
         own = eng.generator(64, version=eng.version).generate(prompts, sp)  # the trainer's own sampler
         assert [r.output_ids for r in own] == [r.output_ids for r in a]
+        # disk sync: the adapter directory the run saves, applied by a server started from the base
+        from_disk = GenerationEngine.from_hf(os.path.join(ctx.tmpdir, "base"), tokenizer=None)
+        from_disk.update_weights_from_disk(os.path.join(ctx.tmpdir, "gen_adapter"), version=1)
+        c = from_disk.generate(prompts, sp)
+        assert [r.output_logprobs for r in c] == [r.output_logprobs for r in b], "adapter dir != merged"
     dist.barrier()
     return res

@@ -63,6 +63,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: Optional[torch.Tensor
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if targets is not None and not entropy:  # the training loss's path: one [N, V/tp] tensor kept
+        return _VocabParallelLogProb.apply(logits, targets, group, vocab_start, vocab_size, temperature), None
     z, pad = _masked_shard(logits, vocab_start, vocab_size, temperature)
     m = z.detach().max(-1).values
     if _tp_size(group) > 1:
@@ -84,6 +86,59 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: Optional[torch.Tensor
         zs_safe = zs.masked_fill(pad, 0.0) if bool(pad.any()) else zs
         ent = log_s - _sum((e * zs_safe).sum(-1), group) / s
     return logp, ent
+
+
+class _VocabParallelLogProb(torch.autograd.Function):
+    """``log p(target)`` per row of vocab-sharded logits, keeping ONE ``[N, V/tp]`` fp32 tensor.
+
+    Why not autograd over the ops above: it keeps ``exp(z)`` for the backward and the backward
+    allocates three more tensors of the logits' size (the broadcast gradient, its product, the
+    gather's scatter): at a vocabulary of 8k-150k this is the largest activation of a train step,
+    and what recompute cannot drop. Here the forward turns one copy of the logits into the
+    softmax in place and keeps it; the backward turns it into the gradient in place,
+    ``g * (onehot(target) - p) / temperature`` (megatron's vocab-parallel cross entropy does the
+    same). Each tp rank's gradient is its shard of the full gradient, as before.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, group: Any, vocab_start: int,
+                vocab_size: int, temperature: float) -> torch.Tensor:
+        z = logits.float()
+        z = z / temperature if temperature != 1.0 else (z.clone() if z is logits else z)
+        n_local = z.shape[-1]
+        pad = torch.arange(vocab_start, vocab_start + n_local, device=z.device) >= vocab_size
+        if bool(pad.any()):
+            z.masked_fill_(pad, float("-inf"))
+        m = z.max(-1).values
+        if _tp_size(group) > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        z.sub_(m.unsqueeze(-1))
+        local = targets.to(z.device) - vocab_start
+        mine = (local >= 0) & (local < n_local)
+        local = local.clamp(0, n_local - 1)
+        picked = torch.where(mine, z.gather(-1, local.unsqueeze(-1)).squeeze(-1), torch.zeros((), device=z.device))
+        p = z.exp_()
+        s = p.sum(-1)
+        if _tp_size(group) > 1:
+            both = torch.stack([picked, s])
+            dist.all_reduce(both, group=group)
+            picked, s = both[0], both[1]
+        p.div_(s.unsqueeze(-1))  # this rank's columns of the softmax
+        ctx.save_for_backward(p, local, mine)
+        ctx.temperature, ctx.dtype = temperature, logits.dtype
+        return picked - s.log()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        p, local, mine = ctx.saved_tensors
+        g = grad.float()
+        out = p.mul_(-g.unsqueeze(-1))
+        rows = torch.arange(out.shape[0], device=out.device)
+        out[rows, local] += torch.where(mine, g, torch.zeros((), device=g.device))
+        if ctx.temperature != 1.0:
+            out.div_(ctx.temperature)
+        return out.to(ctx.dtype), None, None, None, None, None
 
 
 @torch.no_grad()
@@ -125,7 +180,9 @@ class TokenOutputs:
 
     def __init__(self, raw: torch.Tensor, valid: torch.Tensor, tp_group: Any, vocab_start: int,
                  vocab_size: int, critic: bool) -> None:
-        self._raw = raw[valid]  # [T, V/tp] logits or [T, 1] values
+        # [T, V/tp] logits or [T, 1] values (no copy when every row is a real token)
+        self._raw = raw.reshape(-1, raw.shape[-1]) if bool(valid.all()) and valid.numel() * raw.shape[-1] == \
+            raw.numel() else raw[valid]
         self._group = tp_group
         self._start = vocab_start
         self._vocab = vocab_size

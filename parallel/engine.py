@@ -46,7 +46,7 @@ from parallel.cpu_compat import apply_cpu_compat
 from parallel.engine_generator import colocated_generator
 from parallel.engine_hf import EngineHFMixin
 from parallel.engine_lora import load_adapter
-from parallel.groups import ModelGroups
+from parallel.groups import ModelGroups, agree_or_raise
 from parallel.hf_io import CheckpointError
 from parallel.hf_layout import execute_hf_load, plan_hf_load
 from parallel.lora import LoRAModel, attach_lora
@@ -164,14 +164,7 @@ class MegatronEngine(EngineHFMixin):
                                 g.strategy.tp, critic=self.critic)
         except CheckpointError as e:
             problem = str(e)
-        bad = torch.tensor([float(bool(problem))])
-        if len(g.ranks) > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=g.model_group)
-        if problem:
-            raise CheckpointError(problem)
-        if bad.item():
-            raise CheckpointError(f"checkpoint {path} failed validation on another rank of the "
-                                  f"model (ranks {g.ranks}); nothing was loaded")
+        agree_or_raise(g, problem, f"checkpoint {path}", CheckpointError)
         execute_hf_load(self.module, plan, self.hf_config, self.arch, g.tp_rank, g.strategy.tp)
 
     def _setup_training(self, cfg: EngineOptimizerConfig) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from parallel.groups import agree_or_raise
 from parallel.hf_io import CheckpointError, save_hf_checkpoint, tp_shard
 from parallel.hf_layout import gather_hf_state_any
 from parallel.lora import LoRAModel, merged_local_weight
@@ -43,13 +44,7 @@ def load_adapter(engine: Any, path: str) -> None:
                                       f"the model expects {list(shape)}")
     except CheckpointError as e:
         problem = str(e)
-    bad = torch.tensor([float(bool(problem))])
-    if len(g.ranks) > 1:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=g.model_group)
-    if problem:
-        raise CheckpointError(problem)
-    if bad.item():
-        raise CheckpointError(f"adapter {path} failed validation on another rank of the model; nothing was loaded")
+    agree_or_raise(g, problem, f"adapter {path}", CheckpointError)
     params = dict(engine.module.named_parameters())
     offset = engine.module.decoder.layers[0].layer_number - 1 if len(engine.module.decoder.layers) else 0
     with torch.no_grad():

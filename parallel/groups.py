@@ -33,7 +33,7 @@ import torch.distributed as dist
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.layout import Layout
 
-__all__ = ["ModelGroups", "ParallelStrategy", "build_model_groups"]
+__all__ = ["ModelGroups", "ParallelStrategy", "build_model_groups", "agree_or_raise"]
 
 
 @dataclass
@@ -198,3 +198,16 @@ def build_model_groups(
         model_group=g_all, grid=grid,
     )
 
+
+def agree_or_raise(groups: "ModelGroups", problem: str, what: str, error: type = ValueError) -> None:
+    """Every rank of the model learns whether any rank found ``problem`` before anything is
+    changed: this rank raises its own message, the others one naming ``what`` (so a bad file
+    fails on every rank instead of leaving some waiting in a later collective)."""
+    bad = torch.tensor([float(bool(problem))])
+    if len(groups.ranks) > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=groups.model_group)
+    if problem:
+        raise error(problem)
+    if bad.item():
+        raise error(f"{what} failed validation on another rank of the model (ranks {groups.ranks}); "
+                    f"nothing was loaded")

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.groups import agree_or_raise
-from parallel.hf_io import CheckpointError, save_hf_checkpoint, tp_shard
+from parallel.hf_io import CheckpointError, copy_tokenizer_files, save_hf_checkpoint, tp_shard
 from parallel.hf_layout import gather_hf_state_any
 from parallel.lora import LoRAModel, merged_local_weight
 from parallel.lora_io import merge_into_hf, read_adapter_tensors, write_peft_adapter
@@ -73,25 +73,13 @@ def save_lora(engine: Any, path: str, tokenizer_dir: Optional[str], base_path: s
     if adapters is not None:
         write_peft_adapter(path, adapters, engine.lora.cfg, base_model=base_path)
         if tokenizer_dir:
-            save_hf_checkpoint_tokenizer(path, tokenizer_dir)
+            copy_tokenizer_files(tokenizer_dir, path)
         if base is not None:
             merged = dict(base)
             merged.update(merge_into_hf(base, adapters, engine.lora.cfg.scaling))
             save_hf_checkpoint(os.path.join(path, "merged"), merged, engine.hf_config, tokenizer_dir)
     if len(engine.groups.ranks) > 1:
         dist.barrier(group=engine.groups.model_group)
-
-
-def save_hf_checkpoint_tokenizer(path: str, tokenizer_dir: str) -> None:
-    """Copy the tokenizer files (not weights or config) beside the adapter."""
-    import shutil
-
-    from parallel.hf_io import _NOT_TOKENIZER
-
-    for fn in sorted(os.listdir(tokenizer_dir)):
-        src = os.path.join(tokenizer_dir, fn)
-        if os.path.isfile(src) and not _NOT_TOKENIZER.search(fn) and not fn.startswith("adapter_"):
-            shutil.copyfile(src, os.path.join(path, fn))
 
 
 def generation_weights(engine: Any) -> dict[str, torch.Tensor]:

@@ -53,7 +53,7 @@ _TE_ALIASES = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-_NOT_TOKENIZER = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.index\.json)$|^config\.json$")
+_NOT_TOKENIZER = re.compile(r"(\.safetensors|\.bin|\.pt|\.pth|\.index\.json)$|^config\.json$|^adapter_config\.json$")
 
 
 class CheckpointError(ValueError):
@@ -345,10 +345,15 @@ def save_hf_checkpoint(path: str, state: dict[str, torch.Tensor], hf_config: Any
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(dict(hf_config), f, indent=2)
     if tokenizer_dir:
-        if not os.path.isdir(tokenizer_dir):
-            raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} is not a directory")
-        for fn in sorted(os.listdir(tokenizer_dir)):
-            src = os.path.join(tokenizer_dir, fn)
-            if os.path.isfile(src) and not _NOT_TOKENIZER.search(fn):
-                shutil.copyfile(src, os.path.join(path, fn))
+        copy_tokenizer_files(tokenizer_dir, path)
+
+
+def copy_tokenizer_files(tokenizer_dir: str, path: str) -> None:
+    """Copy the tokenizer's files (not weights, configs or adapters) from ``tokenizer_dir`` to ``path``."""
+    if not os.path.isdir(tokenizer_dir):
+        raise FileNotFoundError(f"tokenizer_dir {tokenizer_dir} is not a directory")
+    for fn in sorted(os.listdir(tokenizer_dir)):
+        src = os.path.join(tokenizer_dir, fn)
+        if os.path.isfile(src) and not _NOT_TOKENIZER.search(fn):
+            shutil.copyfile(src, os.path.join(path, fn))
 

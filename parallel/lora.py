@@ -173,10 +173,6 @@ class LoRAModel:
         finally:
             self.switch.enabled = prev
 
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return [p for a in self.adapters.values() for d in (a.linear.lora_A, a.linear.lora_B)
-                for p in d.values()]
-
 
 def _init_full(cfg: LoRAConfig, shape: tuple[int, ...], which: str, seed: int, layer: int,
                part: str) -> torch.Tensor:

@@ -20,7 +20,7 @@ from parallel.lora import PEFT_PREFIX, TARGET_LINEARS
 from realflow.api.model_options import LoRAConfig
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "is_peft_adapter", "read_adapter_config",
-           "read_adapter_tensors", "write_peft_adapter", "merge_into_hf", "adapter_scaling"]
+           "read_adapter_tensors", "write_peft_adapter", "merge_into_hf"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -66,10 +66,6 @@ def read_adapter_config(path: str, dropout: Optional[float] = None) -> LoRAConfi
     if raw.get("use_rslora"):
         cfg.alpha = cfg.alpha * cfg.r ** 0.5  # rsLoRA: scaling alpha / sqrt(r) == (alpha sqrt r) / r
     return cfg
-
-
-def adapter_scaling(cfg: LoRAConfig) -> float:
-    return cfg.scaling
 
 
 def read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:

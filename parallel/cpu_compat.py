@@ -82,6 +82,13 @@ _DEVICE_MODULES: dict[str, str] = {
     # P2PCommunicator._communicate: receive buffers (and shape buffers) on
     # torch.cuda.current_device(); torch.cuda.synchronize() after batched p2p
     "megatron.core.pipeline_parallel.p2p_communication": "pipeline p2p buffers",
+    # MoEAlltoAllTokenDispatcher: a side torch.cuda.Stream for the device-to-host copies of
+    # the token splits (CPU: the copies are no-ops and the stream is :class:`_CpuStream`)
+    "megatron.core.transformer.moe.token_dispatcher": "MoE token dispatcher streams",
+    # Router.gating: router weight moved to torch.cuda.current_device() before the GEMM
+    "megatron.core.transformer.moe.router": "MoE router weight device",
+    # MoE aux-loss tracker values on device="cuda"
+    "megatron.core.transformer.moe.moe_utils": "MoE loss tracker",
 }
 
 # (module, qualified attribute) of megatron callables that compare tensor.type()
@@ -130,8 +137,51 @@ def _on_cpu(factory: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+class _CpuEvent:
+    """A CUDA event on CPU: work is synchronous, so it has always happened."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, *_args: Any) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """A CUDA stream on CPU (the MoE dispatcher's side stream): every op is already ordered."""
+
+    def wait_stream(self, _other: Any) -> None:
+        return None
+
+    def wait_event(self, _event: Any) -> None:
+        return None
+
+    def record_event(self, _event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CURRENT_STREAM = _CpuStream()
+
+
 class _CpuCuda:
     """What ``torch.cuda`` looks like to a patched megatron module."""
+
+    Stream = _CpuStream
+    Event = _CpuEvent
+
+    @staticmethod
+    def current_stream(*_args: Any) -> _CpuStream:
+        return _CURRENT_STREAM
+
+    @staticmethod
+    def stream(_stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     @staticmethod
     def current_device() -> torch.device:
@@ -277,6 +327,15 @@ def _wrap_cuda_named(module_name: str, qualname: str) -> None:
 # ---------------------------------------------------------------------------
 
 
+def _define_missing_te_names() -> None:
+    """moe_utils imports ``te_general_gemm`` from Transformer Engine inside a try block with no
+    fallback, then tests ``te_general_gemm is not None`` in the router GEMM: without TE the name
+    is undefined (a NameError).  Define it as None, which selects megatron's torch path."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_cpu_compat() -> None:
     """Patch megatron-core for CPU when CUDA is unavailable; no-op otherwise.
 
@@ -292,5 +351,6 @@ def apply_cpu_compat() -> None:
     _patch_rng()
     for module_name, qualname in _CUDA_NAMED_CALLS:
         _wrap_cuda_named(module_name, qualname)
+    _define_missing_te_names()
     _applied = True
     _log.debug("megatron-core mapped to CPU: %s", ", ".join(_DEVICE_MODULES.values()))

@@ -70,6 +70,12 @@ class ParamMapping:
     kind: str  # copy | vocab | qkv | gate_up
     tp_dim: Optional[int]  # dim split across tp ranks; None = replicated
     layer: Optional[int] = None  # global layer index; None = embedding/final norm/head
+    expert: Optional[int] = None  # global expert index (MoE expert weights); None = not an expert
+
+    def tp_in(self, tp: int, ep: int = 1) -> int:
+        """The tensor-parallel degree this tensor is split by in a layout with ``tp`` and ``ep``:
+        an expert's weights are whole on their rank once experts are sharded (``ep > 1``)."""
+        return 1 if self.expert is not None and ep > 1 else tp
 
     @property
     def mcore_shape(self) -> tuple[int, ...]:
@@ -113,6 +119,9 @@ def param_table(hf_config: Any, arch: HFArch) -> list[ParamMapping]:
         row("self_attention.linear_proj.weight", [att + "o_proj.weight"], [(hidden, nh * hd)],
             tp_dim=1)
         row("pre_mlp_layernorm.weight", [h + "post_attention_layernorm.weight"], [(hidden,)])
+        if arch.moe is not None:
+            table.extend(moe_rows(arch, hidden, i))
+            continue
         row("mlp.linear_fc1.weight", [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"],
             [(inter, hidden), (inter, hidden)], "gate_up", 0)
         row("mlp.linear_fc2.weight", [h + "mlp.down_proj.weight"], [(hidden, inter)], tp_dim=1)
@@ -122,6 +131,22 @@ def param_table(hf_config: Any, arch: HFArch) -> list[ParamMapping]:
         table.append(ParamMapping("output_layer.weight", ("lm_head.weight",),
                                   ((arch.vocab_size, hidden),), "vocab", 0))
     return table
+
+
+def moe_rows(arch: HFArch, hidden: int, layer: int) -> list[ParamMapping]:
+    """Router and experts of one MoE layer (HF's per-expert checkpoint names, which
+    ``save_pretrained`` writes; megatron's SequentialMLP, named by GLOBAL expert index)."""
+    m, h = f"decoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
+    moe = arch.moe
+    rows = [ParamMapping(m + "router.weight", (h + "gate.weight",), ((moe.num_experts, hidden),),
+                         "copy", None, layer)]
+    for j in range(moe.num_experts):
+        x, hx = f"{m}experts.local_experts.{j}.", f"{h}experts.{j}."
+        rows.append(ParamMapping(x + "linear_fc1.weight", (hx + "gate_proj.weight", hx + "up_proj.weight"),
+                                 ((moe.ffn, hidden), (moe.ffn, hidden)), "gate_up", 0, layer, j))
+        rows.append(ParamMapping(x + "linear_fc2.weight", (hx + "down_proj.weight",),
+                                 ((hidden, moe.ffn),), "copy", 1, layer, j))
+    return rows
 
 
 def hf_to_mcore(entry: ParamMapping, tensors: list[torch.Tensor], padded_vocab: int,

@@ -60,9 +60,12 @@ class QKRMSNorm(RMSNorm):
 def _layer_spec(arch: HFArch, use_te: bool, attention: str):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    experts = arch.moe.num_experts if arch.moe is not None else None
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
-    spec = specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+        return specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=arch.qk_norm)
+    spec = specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=arch.qk_norm,
+                                          normalization="RMSNorm")
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_BACKENDS}")
     sub = spec.submodules

@@ -1,4 +1,4 @@
-"""HF config -> megatron-core TransformerConfig (Qwen2, Qwen3, Llama families).
+"""HF config -> megatron-core TransformerConfig (Qwen2, Qwen3, Llama, Qwen3-MoE families).
 
 The HF config is the source of truth for the architecture; everything megatron
 needs beyond TransformerConfig (vocab padding, RoPE base/scaling, tied
@@ -17,8 +17,13 @@ import torch.nn.functional as F
 
 __all__ = [
     "HFArch",
+    "MoEArch",
+    "MOE_MODEL_TYPES",
     "SUPPORTED_MODEL_TYPES",
     "hf_arch",
+    "moe_arch",
+    "moe_config_fields",
+    "num_experts_of",
     "precision_overrides",
     "recompute_overrides",
     "rope_inv_freq",
@@ -30,11 +35,29 @@ SUPPORTED_MODEL_TYPES: dict[str, tuple[bool, bool]] = {
     "qwen2": (True, False),
     "llama": (False, False),
     "qwen3": (False, True),
+    "qwen3_moe": (False, True),
 }
+MOE_MODEL_TYPES = ("qwen3_moe",)
 
 # Megatron-LM's convention: pad the vocab to a multiple of 128 * tp so the
 # vocab-parallel embedding/output layer splits evenly and GEMMs stay aligned.
 DEFAULT_VOCAB_DIVISOR = 128
+
+
+@dataclass(frozen=True)
+class MoEArch:
+    """Mixture-of-experts facts of an HF config (every decoder layer sparse).
+
+    Routing is HF's: softmax over all experts (fp32), the top ``topk``, renormalised when
+    ``norm_topk_prob``.  ``aux_loss_coef`` is HF's ``router_aux_loss_coef`` (the
+    load-balancing loss of :mod:`parallel.moe_aux`), which ``moe.aux_loss_coef`` overrides.
+    """
+
+    num_experts: int
+    topk: int
+    ffn: int  # moe_intermediate_size: one expert's SwiGLU width
+    norm_topk_prob: bool
+    aux_loss_coef: float
 
 
 @dataclass(frozen=True)
@@ -51,6 +74,7 @@ class HFArch:
     head_dim: int
     qkv_bias: bool
     qk_norm: bool
+    moe: Optional[MoEArch] = None
 
 
 def _get(hf_config: Any, name: str, default: Any = None) -> Any:
@@ -72,6 +96,29 @@ def _rope_params(hf_config: Any) -> dict[str, Any]:
     return params
 
 
+def num_experts_of(hf_config: Any) -> int:
+    """Expert count of an HF config (``num_experts``; ``num_local_experts`` in some dumps); 0 = dense."""
+    return int(_get(hf_config, "num_experts", None) or _get(hf_config, "num_local_experts", None) or 0)
+
+
+def moe_arch(hf_config: Any) -> Optional[MoEArch]:
+    """The :class:`MoEArch` of an MoE config (None for dense); refuses what we cannot reproduce."""
+    model_type = _get(hf_config, "model_type")
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    experts = num_experts_of(hf_config)
+    topk = int(_get(hf_config, "num_experts_per_tok", 0) or 0)
+    if experts < 1 or not 1 <= topk <= experts:
+        raise NotImplementedError(f"{model_type}: num_experts={experts}, num_experts_per_tok={topk} "
+                                  f"(need 1 <= num_experts_per_tok <= num_experts)")
+    if int(_get(hf_config, "decoder_sparse_step", 1) or 1) != 1 or list(_get(hf_config, "mlp_only_layers", None) or []):
+        raise NotImplementedError(f"{model_type}: dense layers between sparse ones (decoder_sparse_step != 1 or "
+                                  f"mlp_only_layers set) are not supported; every layer must be an MoE layer")
+    return MoEArch(num_experts=experts, topk=topk, ffn=int(_get(hf_config, "moe_intermediate_size")),
+                   norm_topk_prob=bool(_get(hf_config, "norm_topk_prob", False)),
+                   aux_loss_coef=float(_get(hf_config, "router_aux_loss_coef", 0.0) or 0.0))
+
+
 def hf_arch(hf_config: Any, tp_size: int = 1, vocab_divisor: int = DEFAULT_VOCAB_DIVISOR) -> HFArch:
     """Validate ``hf_config`` and collect the architecture facts."""
     model_type = _get(hf_config, "model_type")
@@ -90,8 +137,8 @@ def hf_arch(hf_config: Any, tp_size: int = 1, vocab_divisor: int = DEFAULT_VOCAB
             raise NotImplementedError("llama: attention_bias=True (o_proj bias) is not supported")
         if _get(hf_config, "mlp_bias", False):
             raise NotImplementedError("llama: mlp_bias=True is not supported")
-    if model_type == "qwen3" and _get(hf_config, "attention_bias", False):
-        raise NotImplementedError("qwen3: attention_bias=True is not supported")
+    if model_type in ("qwen3", "qwen3_moe") and _get(hf_config, "attention_bias", False):
+        raise NotImplementedError(f"{model_type}: attention_bias=True is not supported")
     if _get(hf_config, "use_sliding_window", False):
         raise NotImplementedError(f"{model_type}: use_sliding_window=True is not supported")
     layer_types = _get(hf_config, "layer_types", None) or []
@@ -117,6 +164,7 @@ def hf_arch(hf_config: Any, tp_size: int = 1, vocab_divisor: int = DEFAULT_VOCAB
         head_dim=int(head_dim),
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
+        moe=moe_arch(hf_config),
     )
 
 
@@ -165,6 +213,36 @@ def recompute_overrides(mode: str) -> dict[str, Any]:
     raise ValueError(f"training.gradient_checkpointing={mode!r} must be one of none, full, selective")
 
 
+def moe_config_fields(arch: HFArch, tp: int, ep: int) -> dict[str, Any]:
+    """TransformerConfig fields of an MoE model: HF routing, megatron's SequentialMLP experts.
+
+    ``pre_softmax`` is HF's order (softmax over all experts, then top-k) when the top-k
+    probabilities are NOT renormalised; when they are, megatron's top-k-then-softmax gives
+    the same weights (a softmax over the top-k logits is the renormalised top-k softmax).
+    Experts are sharded over ``ep`` ranks; with ``ep > 1`` each expert is whole on its rank
+    (expert tensor parallel 1, so ep may span the tp ranks), else split like a dense MLP.
+    Megatron's own aux loss is off: :mod:`parallel.moe_aux` computes HF's.
+    The token dispatcher is all-to-all: gloo implements ``all_to_all_single`` with uneven
+    splits, which is all it needs on CPU.
+    """
+    moe = arch.moe
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1 if ep > 1 else tp,
+    )
+
+
 def transformer_config_from_hf(hf_config: Any, **overrides: Any):
     """Build a megatron ``TransformerConfig`` equivalent to ``hf_config``.
 
@@ -206,6 +284,9 @@ def transformer_config_from_hf(hf_config: Any, **overrides: Any):
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
     )
+    if arch.moe is not None:
+        kw.update(moe_config_fields(arch, int(overrides.get("tensor_model_parallel_size", 1)),
+                                    int(overrides.get("expert_model_parallel_size", 1))))
     kw.update(overrides)
     # dtype of the activations pipeline stages exchange (megatron requires it for pp > 1)
     kw.setdefault("pipeline_dtype", kw["params_dtype"])

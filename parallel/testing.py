@@ -176,6 +176,12 @@ _TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_l
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
+# a tiny Qwen3-MoE: 8 experts, 2 per token (every layer sparse, as Qwen3-30B-A3B)
+_TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                 router_aux_loss_coef=0.01)
+
+
 def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
                  max_shard_size: Optional[str] = None, critic: bool = False, **overrides: Any):
     """Save a random tiny HF model (safetensors) to ``path``; return (config, model).
@@ -190,12 +196,15 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
 
     classes = {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
                "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}
+               "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+               "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}
     cfg_cls, model_cls = classes[family]
     if critic:
         model_cls = getattr(tf, model_cls.__name__.replace("ForCausalLM", "ForTokenClassification"))
         overrides.setdefault("num_labels", 1)
     kw = dict(_TINY)
+    if family == "qwen3_moe":
+        kw.update(_TINY_MOE)
     kw.update(overrides)
     config = cfg_cls(**kw)
     torch.manual_seed(seed)
@@ -204,6 +213,8 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # MoE router: decisive top-k, not near-ties
+                p.normal_(0.0, 0.5)
     if max_shard_size:
         model.save_pretrained(path, max_shard_size=max_shard_size)
     else:

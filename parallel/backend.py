@@ -21,6 +21,7 @@ from parallel.engine import MegatronEngine
 from parallel.groups import ModelGroups, build_model_groups
 from parallel.model_config import hf_arch, precision_overrides
 from parallel.lora_checks import check_lora, lora_for_layout, lora_of_pair, resolved_lora
+from parallel.moe import check_moe_options, moe_layout_problem
 from parallel.optim import EngineOptimizerConfig
 
 __all__ = ["MegatronBackend", "estimate_rank_bytes"]
@@ -145,7 +146,11 @@ class MegatronBackend:
         tp, pp = strategy.tp, strategy.pp
         heads = int(cfg["num_attention_heads"])
         kv = int(cfg.get("num_key_value_heads") or heads)
-        ffn, layers = int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
+        layers = int(cfg["num_hidden_layers"])
+        problem = moe_layout_problem(cfg, strategy.dp, tp, strategy.ep)
+        if problem:
+            raise LayoutError(f"{what}: {problem}")
+        ffn = tp if arch.moe is not None else int(cfg["intermediate_size"])  # MoE: every layer sparse
         for n, field in ((heads, "num_attention_heads"), (kv, "num_key_value_heads"),
                          (ffn, "intermediate_size"), (arch.padded_vocab_size, "padded vocab size")):
             if n % tp:
@@ -156,6 +161,7 @@ class MegatronBackend:
             raise LayoutError(f"{what}: pp={pp} does not divide num_hidden_layers={layers} "
                               f"(megatron needs the same number of layers on every stage)")
         check_lora(spec, cfg, what)
+        check_moe_options(spec, cfg, what)
         trained = trained and resolved_lora(spec) is None  # LoRA: a frozen base (+ adapters, ~1%)
         overrides = _config_overrides(spec)
         params, need = estimate_rank_bytes(cfg, strategy, trained, _low_precision(overrides))

@@ -334,6 +334,24 @@ def _define_missing_te_names() -> None:
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _patch_split_sizes_to_host()
+
+
+def _patch_split_sizes_to_host() -> None:
+    """The all-to-all dispatcher moves its token split sizes "to the host" with
+    ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which converts only CUDA tensors; a CPU
+    tensor stays a tensor, and ``all_to_all_single`` wants a list of ints (numpy arrays pass).
+    On CPU the split sizes are converted to numpy like a GPU host's."""
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    original = dispatcher.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
 def apply_cpu_compat() -> None:

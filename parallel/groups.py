@@ -6,7 +6,7 @@ process-wide ``parallel_state`` groups.  Each model gets its own
 :class:`megatron.core.process_groups_config.ProcessGroupCollection`, passed
 explicitly to GPTModel, DDP, the optimizer and the schedules.
 
-Rank grid (megatron's default order ``tp-cp-ep-dp-pp``, cp = ep = 1): tensor
+Rank grid (megatron's default order ``tp-cp-ep-dp-pp``, cp = 1): tensor
 parallel is fastest, then data parallel, then pipeline parallel::
 
     ranks[pp_rank * dp * tp + dp_rank * tp + tp_rank]
@@ -55,6 +55,15 @@ class ModelGroups:
     pg_collection: Any = None  # megatron.core.process_groups_config.ProcessGroupCollection
     model_group: Optional[dist.ProcessGroup] = None  # all ranks of the model
     grid: list[list[list[int]]] = field(default_factory=list)  # [pp][dp][tp] -> global rank
+    ep_rank: int = -1  # expert-parallel rank (0 without expert parallelism)
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.pg_collection.ep
+
+    @property
+    def expt_dp_group(self) -> dist.ProcessGroup:
+        return self.pg_collection.expt_dp
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -161,6 +170,13 @@ def build_model_groups(
     solo_lists = [[r] for r in ranks]
     # Tied word embeddings live on the first and last stage of each pipeline.
     embd_lists = [sorted({pl[0], pl[-1]}, key=pl.index) for pl in pp_lists]
+    # Expert parallelism (see ParallelStrategy): runs of ep consecutive ranks of a stage's
+    # (dp, tp) order hold the experts between them; every ep-th rank holds the same experts.
+    ep = strategy.ep
+    stages = [[grid[p][d][t] for d in range(dp) for t in range(tp)] for p in range(pp)]
+    ep_lists = [st[k:k + ep] for st in stages for k in range(0, dp * tp, ep)]
+    expt_dp_lists = [st[r::ep] for st in stages for r in range(ep)]
+    tp_ep_pp_lists = [[r for st in stages for r in st[k:k + ep]] for k in range(0, dp * tp, ep)]
 
     # Fixed creation order: every rank makes the same new_group calls.
     g_tp = make("tp", tp_lists)
@@ -171,6 +187,10 @@ def build_model_groups(
     g_embd = make("embd", embd_lists)
     g_solo = make("solo", solo_lists)
     g_all = make("model", [list(ranks)])
+    if ep > 1:
+        g_ep = make("ep", ep_lists)
+        g_expt_dp = make("expt_dp", expt_dp_lists)
+        g_tp_ep_pp = make("tp_ep_pp", tp_ep_pp_lists)
 
     if me not in ranks:
         return ModelGroups(is_member=False, ranks=ranks, strategy=strategy, grid=grid)
@@ -181,12 +201,16 @@ def build_model_groups(
 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    # Field meanings follow megatron's parallel_state with cp = ep = 1 and a
-    # single distributed-optimizer instance.
+    # Field meanings follow megatron's parallel_state with cp = 1 and a single
+    # distributed-optimizer instance; with ep > 1 experts are whole (expert tp = 1).
+    if ep > 1:
+        experts = dict(ep=g_ep, expt_tp=g_solo, tp_ep=g_ep, tp_ep_pp=g_tp_ep_pp, expt_dp=g_expt_dp,
+                       intra_expt_dp=g_expt_dp)
+    else:
+        experts = dict(ep=g_solo, expt_tp=g_tp, tp_ep=g_tp, tp_ep_pp=g_mp, expt_dp=g_dp, intra_expt_dp=g_dp)
     pgc = ProcessGroupCollection(
         tp=g_tp, pp=g_pp, mp=g_mp, cp=g_solo, tp_cp=g_tp, dp=g_dp, dp_cp=g_dp,
-        intra_dp_cp=g_dp, tp_dp_cp=g_tp_dp,
-        ep=g_solo, expt_tp=g_tp, tp_ep=g_tp, tp_ep_pp=g_mp, expt_dp=g_dp, intra_expt_dp=g_dp,
+        intra_dp_cp=g_dp, tp_dp_cp=g_tp_dp, **experts,
         embd=g_embd,  # None on middle stages, as in megatron
         pos_embd=g_solo if pp_rank == 0 else None,
         intra_dist_opt=g_all,  # grad-norm reduction over every shard of the model
@@ -195,7 +219,7 @@ def build_model_groups(
     return ModelGroups(
         is_member=True, ranks=ranks, strategy=strategy, global_rank=me,
         dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, pg_collection=pgc,
-        model_group=g_all, grid=grid,
+        model_group=g_all, grid=grid, ep_rank=(dp_rank * tp + tp_rank) % ep,
     )
 
 

@@ -223,10 +223,14 @@ def local_param_table(model: torch.nn.Module, table: list[ParamMapping]
     global) gives the offset.  TE-spec norm names are resolved too.  With pp > 1 and
     tied embeddings the last stage's ``output_layer.weight`` is the embedding copy.
     """
+    from parallel.moe import expert_parallel_of, local_expert_name
+
     params = _named_params(model)
     layers = getattr(getattr(model, "decoder", None), "layers", [])
     offset = layers[0].layer_number - 1 if len(layers) else 0
     n_local = len(layers)
+    ep, ep_rank = expert_parallel_of(model)
+    experts = 1 + max((e.expert for e in table if e.expert is not None), default=0)
     out: list[tuple[ParamMapping, str]] = []
     for e in table:
         name = e.mcore_name
@@ -234,6 +238,10 @@ def local_param_table(model: torch.nn.Module, table: list[ParamMapping]
             if not offset <= e.layer < offset + n_local:
                 continue
             name = name.replace(f"decoder.layers.{e.layer}.", f"decoder.layers.{e.layer - offset}.", 1)
+            if e.expert is not None:  # experts of another expert-parallel rank are not here
+                name = local_expert_name(name, e.expert, experts, ep, ep_rank)
+                if name is None:
+                    continue
             if name not in params:
                 for local, te in _TE_ALIASES.items():
                     if name.endswith(local):

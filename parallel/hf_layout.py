@@ -63,13 +63,19 @@ def model_param_table(hf_config: Any, arch: HFArch, critic: bool = False) -> lis
         critic_head_table(hf_config, arch)
 
 
-def check_layout(hf_config: Any, dp: int, tp: int, pp: int) -> None:
-    """ValueError naming the field when (dp, tp, pp) cannot hold the model."""
+def check_layout(hf_config: Any, dp: int, tp: int, pp: int, ep: int = 1) -> None:
+    """ValueError naming the field when (dp, tp, pp, ep) cannot hold the model."""
+    from parallel.moe import moe_layout_problem
+
     layers = int(_get(hf_config, "num_hidden_layers"))
     heads = int(_get(hf_config, "num_attention_heads"))
     groups = _num_query_groups(hf_config)
-    ffn = int(_get(hf_config, "intermediate_size"))
-    where = f"layout d{dp}t{tp}p{pp}"
+    where = f"layout d{dp}t{tp}p{pp}" + (f"e{ep}" if ep > 1 else "")
+    problem = moe_layout_problem(hf_config, dp, tp, ep)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
+    # an MoE model's layers are all sparse: its dense intermediate_size is never built
+    ffn = int(_get(hf_config, "intermediate_size")) if problem is None and not _is_moe(hf_config) else tp
     if pp > layers:
         raise ValueError(f"{where}: pp={pp} > num_hidden_layers={layers} (a stage needs a layer)")
     if layers % pp:
@@ -78,6 +84,12 @@ def check_layout(hf_config: Any, dp: int, tp: int, pp: int) -> None:
                         ("intermediate_size", ffn)):
         if value % tp:
             raise ValueError(f"{where}: {name}={value} is not divisible by tp={tp}")
+
+
+def _is_moe(hf_config: Any) -> bool:
+    from parallel.model_config import moe_arch
+
+    return moe_arch(hf_config) is not None
 
 
 def owner_stage(entry: ParamMapping, num_layers: int, pp: int) -> int:
@@ -150,9 +162,12 @@ def plan_hf_load(model: torch.nn.Module, path: str, hf_config: Any, arch: HFArch
     """
     from safetensors import safe_open
 
+    from parallel.moe import expert_parallel_of
+
     table = model_param_table(hf_config, arch, critic)
     local = local_param_table(model, table)
     params = _named_params(model)
+    ep = expert_parallel_of(model)[0]
     index = _weight_index(path)
     skipped = []
     if critic and "score.weight" not in index:
@@ -182,7 +197,7 @@ def plan_hf_load(model: torch.nn.Module, path: str, hf_config: Any, arch: HFArch
                                       f"model expects {list(want)}")
         full = e.mcore_shape if e.kind != "vocab" else (arch.padded_vocab_size, *e.mcore_shape[1:])
         local_shape = list(full)
-        if e.tp_dim is not None and tp_size > 1:
+        if e.tp_dim is not None and e.tp_in(tp_size, ep) > 1:
             local_shape[e.tp_dim] //= tp_size
         if tuple(local_shape) != tuple(params[pname].shape):
             raise CheckpointError(f"megatron parameter {pname} has shape "
@@ -196,8 +211,11 @@ def execute_hf_load(model: torch.nn.Module, plan: HFLoadPlan, hf_config: Any, ar
     """Copy the planned slices into ``model`` (in place, exact, only this rank's bytes)."""
     from safetensors import safe_open
 
+    from parallel.moe import expert_parallel_of
+
     params = _named_params(model)
     ng = _num_query_groups(hf_config)
+    ep = expert_parallel_of(model)[0]
     with contextlib.ExitStack() as stack, torch.no_grad():
         files: dict[str, Any] = {}
 
@@ -209,7 +227,8 @@ def execute_hf_load(model: torch.nn.Module, plan: HFLoadPlan, hf_config: Any, ar
 
         for e, pname in plan.items:
             p = params[pname]
-            t = read_tp_slice(e, get_slice, tp_rank, tp_size, arch.padded_vocab_size, ng)
+            tp = e.tp_in(tp_size, ep)
+            t = read_tp_slice(e, get_slice, tp_rank if tp > 1 else 0, tp, arch.padded_vocab_size, ng)
             p.data.copy_(t.to(p.dtype))
 
 
@@ -223,15 +242,19 @@ def gather_hf_state_any(model: torch.nn.Module, groups: Any, hf_config: Any, arc
                         table: Optional[list[ParamMapping]] = None) -> Optional[dict[str, torch.Tensor]]:
     """The whole model as HF-named CPU tensors on the writer (dp 0, tp 0, pp 0); None elsewhere.
 
-    Collective over the ranks of dp replica 0 (other replicas return None at once).
+    Collective over the ranks of dp replica 0 and, with expert parallelism, the expert-parallel
+    group of each stage's head (which may reach into other dp replicas: their experts are
+    gathered whole); every other rank returns None at once.
     ``tensor_of`` picks what to gather per parameter (default: its data; e.g.
     ``lambda p: p.main_grad`` for gradients); ``dtype`` is the wire/result dtype
     (default: the parameters' dtype); ``table`` the rows to gather (default: the model's own;
     e.g. :func:`parallel.lora.lora_param_table` for LoRA adapters).
     """
-    if groups.dp_rank != 0:
-        return None
     s = groups.strategy
+    ep = getattr(s, "ep", 1)
+    in_head_ep_group = ep > 1 and groups.dp_rank * s.tp + groups.tp_rank < ep
+    if groups.dp_rank != 0 and not in_head_ep_group:
+        return None
     tensor_of = tensor_of or (lambda p: p.detach())
     table = model_param_table(hf_config, arch, critic) if table is None else table
     ng = _num_query_groups(hf_config)
@@ -240,11 +263,18 @@ def gather_hf_state_any(model: torch.nn.Module, groups: Any, hf_config: Any, arc
     dtype = dtype or next(iter(params.values())).dtype
     mine = [(e, pname) for e, pname in local_param_table(model, table)
             if owner_stage(e, num_layers, s.pp) == groups.pp_rank]
-    stage_head = groups.tp_rank == 0
+    stage_head = groups.dp_rank == 0 and groups.tp_rank == 0
     hf: dict[str, torch.Tensor] = {}
+    if in_head_ep_group:
+        hf.update(_gather_experts([(e, params[p]) for e, p in mine if e.expert is not None], groups,
+                                  tensor_of, dtype, stage_head))
+    if groups.dp_rank != 0:
+        return None
     for e, pname in mine:
+        if e.expert is not None and ep > 1:
+            continue
         t = tensor_of(params[pname]).to(device="cpu", dtype=dtype).contiguous()
-        if e.tp_dim is not None and s.tp > 1:
+        if e.tp_dim is not None and s.tp > 1 and e.tp_in(s.tp, ep) > 1:
             dst = groups.rank_at(dp=0, tp=0, pp=groups.pp_rank)
             shards = [torch.empty_like(t) for _ in range(s.tp)] if stage_head else None
             dist.gather(t, shards, dst=dst, group=groups.tp_group)
@@ -259,9 +289,10 @@ def gather_hf_state_any(model: torch.nn.Module, groups: Any, hf_config: Any, arc
         return hf if stage_head else None
     writer = groups.rank_at(dp=0, tp=0, pp=0)
     if groups.pp_rank != 0:
-        for e, _ in mine:
-            for n in e.hf_names:
-                dist.send(hf[n], dst=writer, group=groups.pp_group)
+        for e in table:
+            if owner_stage(e, num_layers, s.pp) == groups.pp_rank:
+                for n in e.hf_names:
+                    dist.send(hf[n], dst=writer, group=groups.pp_group)
         return None
     for stage in range(1, s.pp):
         src = groups.rank_at(dp=0, tp=0, pp=stage)
@@ -273,3 +304,45 @@ def gather_hf_state_any(model: torch.nn.Module, groups: Any, hf_config: Any, arc
                 dist.recv(buf, src=src, group=groups.pp_group)
                 hf[n] = buf
     return hf
+
+
+def _gather_experts(local: list[tuple[ParamMapping, torch.nn.Parameter]], groups: Any,
+                    tensor_of: Callable[[torch.nn.Parameter], torch.Tensor], dtype: torch.dtype,
+                    stage_head: bool) -> dict[str, torch.Tensor]:
+    """Every expert of this stage, whole, on the stage head (HF names); {} on the other ranks.
+
+    Each rank of the head's expert-parallel group holds ``E/ep`` whole experts; per (layer,
+    linear) they are stacked and gathered in one collective, in expert order (group rank r
+    holds experts ``[r*E/ep, (r+1)*E/ep)``).
+    """
+    by_kind: dict[tuple[int, str], list[tuple[ParamMapping, torch.nn.Parameter]]] = {}
+    for e, p in local:
+        by_kind.setdefault((e.layer, e.mcore_name.rsplit(".", 2)[-2]), []).append((e, p))
+    ep = groups.strategy.ep
+    dst = groups.rank_at(dp=0, tp=0, pp=groups.pp_rank)
+    out: dict[str, torch.Tensor] = {}
+    for key in sorted(by_kind):
+        rows = sorted(by_kind[key], key=lambda ep_: ep_[0].expert)
+        mine = torch.stack([tensor_of(p).to(device="cpu", dtype=dtype) for _, p in rows]).contiguous()
+        parts = [torch.empty_like(mine) for _ in range(ep)] if stage_head else None
+        dist.gather(mine, parts, dst=dst, group=groups.ep_group)
+        if not stage_head:
+            continue
+        n_local = len(rows)
+        template = rows[0][0]
+        for r, part in enumerate(parts):
+            for k in range(n_local):
+                j = r * n_local + k
+                e = _expert_row(template, j)
+                for n, v in mcore_to_hf(e, part[k], 0).items():
+                    out[n] = v.contiguous().clone()
+    return out
+
+
+def _expert_row(template: ParamMapping, expert: int) -> ParamMapping:
+    """``template`` (a row of expert ``template.expert``) renamed for ``expert``."""
+    old, new = f".{template.expert}.", f".{expert}."
+    swap = lambda name, marker: name.replace(f"{marker}{old}", f"{marker}{new}", 1)  # noqa: E731
+    return ParamMapping(swap(template.mcore_name, "local_experts"),
+                        tuple(swap(n, "experts") for n in template.hf_names), template.hf_shapes,
+                        template.kind, template.tp_dim, template.layer, expert)

@@ -18,6 +18,7 @@ from parallel.groups import ModelGroups
 from parallel.hf_layout import check_layout
 from parallel.mcore_globals import ensure_megatron_globals
 from parallel.model_config import HFArch, hf_arch, rope_inv_freq, transformer_config_from_hf
+from parallel.model_config import moe_arch as arch_moe
 
 __all__ = ["build_gpt_model", "te_available"]
 
@@ -115,7 +116,7 @@ def build_gpt_model(
         raise ValueError(f"build_gpt_model: rank is not one of the model's ranks {groups.ranks}")
     strategy = groups.strategy
     hf_arch(hf_config, tp_size=strategy.tp)  # unsupported architectures fail first
-    check_layout(hf_config, strategy.dp, strategy.tp, strategy.pp)
+    check_layout(hf_config, strategy.dp, strategy.tp, strategy.pp, strategy.ep)
     apply_cpu_compat()
     ensure_megatron_globals()
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -126,6 +127,8 @@ def build_gpt_model(
         pipeline_model_parallel_size=strategy.pp,
         sequence_parallel=strategy.tp > 1,
     )
+    if arch_moe(hf_config) is not None:
+        overrides["expert_model_parallel_size"] = strategy.ep
     overrides.update(config_overrides or {})
     config = transformer_config_from_hf(hf_config, **overrides)
     arch = hf_arch(hf_config, tp_size=strategy.tp)

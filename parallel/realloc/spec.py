@@ -29,6 +29,7 @@ import torch
 from realflow.api.layout import Layout
 from parallel.hf_io import ParamMapping, param_table
 from parallel.model_config import hf_arch
+from parallel.moe import local_expert_name, moe_layout_problem
 
 __all__ = ["Piece", "LocalShard", "ShardSpecError", "shard_spec", "full_shape",
            "reference_shard", "allocate_shards"]
@@ -122,6 +123,9 @@ def _check_layout(hf_config: Any, layout: Layout) -> int:
     groups = int(_cfg(hf_config, "num_key_value_heads") or heads)
     if heads % s.tp or groups % s.tp:
         raise ShardSpecError(f"layout {layout}: {heads} heads / {groups} kv heads not divisible by tp={s.tp}")
+    problem = moe_layout_problem(hf_config, s.dp, s.tp, s.ep)
+    if problem:
+        raise ShardSpecError(f"layout {layout}: {problem}")
     return layers // s.pp
 
 
@@ -139,8 +143,10 @@ def shard_spec(hf_config: Any, layout: Layout, table: Optional[list[ParamMapping
     arch = hf_arch(hf_config, tp_size=s.tp)
     table = param_table(hf_config, arch) if table is None else table
     out: dict[int, dict[str, LocalShard]] = {}
+    experts = arch.moe.num_experts if arch.moe is not None else 0
     for rank in layout.workers:
         _, tp_rank, pp_rank = layout.coords(rank)
+        ep_rank = layout.ep_coords(rank)[0]
         first, last = pp_rank == 0, pp_rank == s.pp - 1
         offset = pp_rank * per_stage
         shards: dict[str, LocalShard] = {}
@@ -150,6 +156,10 @@ def shard_spec(hf_config: Any, layout: Layout, table: Optional[list[ParamMapping
                 if not offset <= e.layer < offset + per_stage:
                     continue
                 local = name.replace(f"decoder.layers.{e.layer}.", f"decoder.layers.{e.layer - offset}.", 1)
+                if e.expert is not None:  # held by one rank of each expert-parallel group
+                    local = local_expert_name(local, e.expert, experts, s.ep, ep_rank)
+                    if local is None:
+                        continue
             elif name == "embedding.word_embeddings.weight":
                 if first:
                     local = name
@@ -161,7 +171,8 @@ def shard_spec(hf_config: Any, layout: Layout, table: Optional[list[ParamMapping
                 continue
             else:
                 local = name
-            dim, shape, pieces = _tp_pieces(e, s.tp, tp_rank, arch.padded_vocab_size)
+            tp = e.tp_in(s.tp, s.ep)
+            dim, shape, pieces = _tp_pieces(e, tp, tp_rank if tp > 1 else 0, arch.padded_vocab_size)
             shards[name] = LocalShard(name, local, shape, dim, pieces)
         out[rank] = shards
     return out

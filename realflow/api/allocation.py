@@ -31,7 +31,9 @@ __all__ = [
 
 STRATEGY_GRAMMAR = (
     "strategy := one or more of d<N> (data parallel), t<N> (tensor parallel), p<N> (pipeline parallel), "
-    "each letter at most once, in any order, missing = 1; e.g. 'd2', 'd2t1p1', 't2d1'"
+    "e<N> (expert parallel, MoE models: experts sharded over N of the d*t ranks of a stage, so N must "
+    "divide d*t and the rank count stays d*t*p), each letter at most once, in any order, missing = 1; "
+    "e.g. 'd2', 'd2t1p1', 't2d1', 'd2e2', 'd1t2e2'"
 )
 ALLOCATION_GRAMMAR = """allocation grammar:
   allocation := term ('+' term)*
@@ -39,7 +41,8 @@ ALLOCATION_GRAMMAR = """allocation grammar:
   entry      := [selector ':'] strategy ['@' workers]
   selector   := MFC name | 'gen' (generate MFCs) | 'train' (train_step and inference MFCs)
                 | '*' (every MFC no other selector takes); no selector means '*'
-  strategy   := d<N>, t<N>, p<N> in any order, each at most once, missing = 1
+  strategy   := d<N>, t<N>, p<N>, e<N> in any order, each at most once, missing = 1;
+                e<N> shards an MoE model's experts over N of the d*t ranks of each stage
   workers    := N | N-M | '[' N[-M] (',' N[-M])* ']'   absolute worker indices, ranges inclusive
   rules: without '+', the term spans all workers; with '+', each term takes the next block of
     consecutive workers, as many as the d*t*p of its entries without '@' (which must agree).
@@ -60,26 +63,50 @@ def _positive_int(value: object) -> bool:
 
 @dataclass(frozen=True)
 class ParallelStrategy:
-    """Data, tensor and pipeline parallel degrees of one MFC (``world_size = dp*tp*pp``)."""
+    """Data, tensor, pipeline and expert parallel degrees of one MFC (``world_size = dp*tp*pp``).
+
+    Expert parallelism is carved out of the ``dp*tp`` ranks of each pipeline stage, as
+    megatron-core does it: attention stays data/tensor parallel, and an MoE layer's experts
+    are sharded over groups of ``ep`` consecutive ranks of the stage (each expert whole on its
+    rank), with ``dp*tp/ep`` copies of every expert.  So ``d2e2`` is two ranks that see
+    different data and hold half the experts each; ``d1t2e2`` two tensor-parallel ranks that
+    hold half the experts each.
+    """
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for f in ("dp", "tp", "pp"):
+        for f in ("dp", "tp", "pp", "ep"):
             if not _positive_int(getattr(self, f)):
                 raise AllocationError(f"ParallelStrategy.{f} must be an integer >= 1, got {getattr(self, f)!r}")
+        if (self.dp * self.tp) % self.ep:
+            raise AllocationError(
+                f"strategy {self}: expert parallel e{self.ep} must divide d*t = {self.dp * self.tp} (experts "
+                f"are sharded over the data/tensor-parallel ranks of a stage, so the rank count stays d*t*p): "
+                f"for e{self.ep} use e.g. d{self.ep}e{self.ep} or d1t{self.ep}e{self.ep}")
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def expert_dp(self) -> int:
+        """Copies of each expert in a stage (gradients of an expert are reduced over them)."""
+        return self.dp * self.tp // self.ep
+
+    @property
+    def expert_tp(self) -> int:
+        """Tensor-parallel degree of an expert's weights: whole experts once they are sharded."""
+        return 1 if self.ep > 1 else self.tp
+
     def __str__(self) -> str:
-        return f"d{self.dp}t{self.tp}p{self.pp}"
+        return f"d{self.dp}t{self.tp}p{self.pp}" + (f"e{self.ep}" if self.ep > 1 else "")
 
 
-_TERM = re.compile(r"([dtp])(\d+)")
+_TERM = re.compile(r"([dtpe])(\d+)")
 
 
 def parse_strategy(s: str | ParallelStrategy) -> ParallelStrategy:
@@ -103,7 +130,8 @@ def parse_strategy(s: str | ParallelStrategy) -> ParallelStrategy:
         pos = m.end()
     if not degrees:
         raise AllocationError(f"empty parallel strategy {s!r}; {STRATEGY_GRAMMAR}")
-    return ParallelStrategy(dp=degrees.get("d", 1), tp=degrees.get("t", 1), pp=degrees.get("p", 1))
+    return ParallelStrategy(dp=degrees.get("d", 1), tp=degrees.get("t", 1), pp=degrees.get("p", 1),
+                            ep=degrees.get("e", 1))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from realflow.api.deploy import DeploySpec, RayConfig, RecoverSpec, SlurmConfig
 from realflow.api.mfc import MFCDef
-from realflow.api.model_options import LoRAConfig, TrainingMemoryConfig
+from realflow.api.model_options import LoRAConfig, MoEConfig, TrainingMemoryConfig
 from realflow.api.rollout import RolloutSpec
 from realflow.api.registry import Registry
 from realflow.base.devices import PRECISIONS
@@ -91,6 +91,8 @@ class ModelSpec:
     #: LoRA adapters (``enabled=False``: full fine-tuning) and memory trades of a trained model
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     training: TrainingMemoryConfig = field(default_factory=TrainingMemoryConfig)
+    #: mixture-of-experts options (routing replay, aux loss); refused on a dense model
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass

@@ -68,6 +68,13 @@ class Layout:
         """The output-holding worker of every dp rank, in dp order."""
         return tuple(self.dp_head(d) for d in range(self.strategy.dp))
 
+    def ep_coords(self, worker: int) -> tuple[int, int]:
+        """(ep rank, expert-dp rank) of ``worker``: expert-parallel groups are runs of ``ep``
+        consecutive ranks of a stage's ``(dp, tp)`` order (megatron's expert grid, etp = 1)."""
+        s = self.strategy
+        i = self.workers.index(worker) % (s.dp * s.tp)
+        return i % s.ep, i // s.ep
+
     def grid(self) -> list[list[list[int]]]:
         """``grid[pp][dp][tp]`` -> worker (the same order as ``parallel.groups``)."""
         s = self.strategy
@@ -75,7 +82,7 @@ class Layout:
 
     def short(self) -> str:
         s = self.strategy
-        return f"d{s.dp}t{s.tp}p{s.pp}@{_workers_text(self.workers)}"
+        return f"{s}@{_workers_text(self.workers)}"
 
     def __str__(self) -> str:
         return self.short()

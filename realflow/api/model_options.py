@@ -7,15 +7,18 @@ full fine-tuning. The backend (``parallel/``) reads them; nothing here imports i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["LoRAConfig", "TrainingMemoryConfig", "LORA_TARGETS", "LORA_INITS", "RECOMPUTE_MODES"]
+__all__ = ["LoRAConfig", "TrainingMemoryConfig", "MoEConfig", "LORA_TARGETS", "LORA_INITS", "RECOMPUTE_MODES",
+           "ROUTING_REPLAY_MODES"]
 
 #: HF module names LoRA may target (Qwen2/Qwen3/Llama), each a part of one fused megatron linear
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: PEFT's ``init_lora_weights``: default (A kaiming-uniform, B zero), gaussian (A normal 1/r, B zero)
 LORA_INITS = ("default", "gaussian")
 RECOMPUTE_MODES = ("none", "full", "selective")
+#: auto: ``rollout`` for an MoE model in an RL experiment, ``off`` otherwise
+ROUTING_REPLAY_MODES = ("auto", "off", "rollout")
 
 
 @dataclass
@@ -91,3 +94,26 @@ class TrainingMemoryConfig:
                              f"{', '.join(RECOMPUTE_MODES)}")
         if self.offload_master_weights and not self.optimizer_offload:
             raise ValueError("training.offload_master_weights=true needs training.optimizer_offload=true")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts options of a model (``moe.*``); refused on a dense model."""
+
+    routing_replay: str = field(default="auto", metadata={
+        "help": "rollout routing replay (R3): the trainer's forward passes route each generated sample's "
+                "tokens to the experts the generator chose (rollout) or to its own router's choice (off); "
+                "auto = rollout for MoE models in RL runs, off otherwise"})
+    aux_loss_coef: Optional[float] = field(default=None, metadata={
+        "help": "load-balancing loss coefficient (HF's formula); default: the checkpoint's "
+                "router_aux_loss_coef; 0 turns it off"})
+
+    def __post_init__(self) -> None:
+        if self.routing_replay not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"moe.routing_replay={self.routing_replay!r} must be one of "
+                             f"{', '.join(ROUTING_REPLAY_MODES)}")
+        if self.aux_loss_coef is not None and not float(self.aux_loss_coef) >= 0.0:
+            raise ValueError(f"moe.aux_loss_coef={self.aux_loss_coef!r} must be >= 0 (e.g. 0.001)")
+
+    def is_default(self) -> bool:
+        return self.routing_replay == "auto" and self.aux_loss_coef is None

@@ -53,6 +53,7 @@ from parallel.lora import LoRAModel, attach_lora
 from parallel.mcore_globals import seed_megatron_rng
 from parallel.model import build_gpt_model
 from parallel.model_config import recompute_overrides
+from parallel.moe_step import ROUTED_EXPERTS, build_moe_step
 from parallel.nonfinite import (
     NonFiniteError,
     NonFinitePolicy,
@@ -74,7 +75,7 @@ from parallel.pipeline import (
 from parallel.packing import check_packed
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.engine import BatchGenerator, LossFn, MicroBatches
-from realflow.api.model_options import LoRAConfig, TrainingMemoryConfig
+from realflow.api.model_options import LoRAConfig, MoEConfig, TrainingMemoryConfig
 from realflow.api.padded_partition import padded_partition
 from realflow.base.devices import to_device, to_host
 
@@ -112,10 +113,12 @@ class MegatronEngine(EngineHFMixin):
         critic: bool = False,
         lora: Optional[LoRAConfig] = None,
         training: Optional[TrainingMemoryConfig] = None,
+        moe: Optional[MoEConfig] = None,
     ) -> None:
         """``training``: activation recompute and optimizer offload (``training.*``, see
         :class:`realflow.api.model_options.TrainingMemoryConfig`); ``config_overrides`` win over
-        the recompute fields it sets."""
+        the recompute fields it sets.  ``moe``: routing replay and the load-balancing loss of an
+        MoE model (:class:`realflow.api.model_options.MoEConfig`)."""
         if not groups.is_member:
             raise ValueError(f"MegatronEngine: this rank is not one of the model ranks {groups.ranks}")
         apply_cpu_compat()
@@ -150,7 +153,8 @@ class MegatronEngine(EngineHFMixin):
         self.model: torch.nn.Module = self.module
         if optimizer_config is not None:
             self._setup_training(optimizer_config)
-        self._runner = ScheduleRunner(groups, self.config)
+        self.moe_step = build_moe_step(self.module, self.arch, groups, self.config, self.hf_config, moe)
+        self._runner = ScheduleRunner(groups, self.config, self.moe_step)
         self._generator: Optional[Any] = None  # parallel.generation.GenerationEngine, built by generator()
 
     # ------------------------------------------------------------------ setup
@@ -217,10 +221,11 @@ class MegatronEngine(EngineHFMixin):
 
     @torch.no_grad()
     def _infer(self, input_ids: torch.Tensor, seqlens: list[int], max_tokens_per_mb: Optional[int],
-               fn: Callable[[TokenOutputs, MicroBatch], Any]) -> list[Any]:
+               fn: Callable[[TokenOutputs, MicroBatch], Any], routes: Optional[torch.Tensor] = None
+               ) -> list[Any]:
         """Forward-only schedule over contiguous micro-batches; ``fn`` per micro-batch on the
         last stage ([] elsewhere)."""
-        mbs = split_packed(input_ids, seqlens, max_tokens_per_mb)
+        mbs = split_packed(input_ids, seqlens, max_tokens_per_mb, routes)
         self.model.eval()
         return self._runner.run(self.model, mbs,
                                 lambda mb, valid, out: fn(self._token_outputs(valid, out), mb),
@@ -228,7 +233,7 @@ class MegatronEngine(EngineHFMixin):
 
     @torch.no_grad()
     def _infer_tokens(self, input_ids: torch.Tensor, seqlens: list[int], max_tokens_per_mb: Optional[int],
-                      fn: Callable[[TokenOutputs, MicroBatch], Any]) -> Any:
+                      fn: Callable[[TokenOutputs, MicroBatch], Any], routes: Optional[torch.Tensor] = None) -> Any:
         """Forward-only, ``fn`` returning per-token tensors (or a tuple of them): the packed
         result in the input's order, on output ranks (None elsewhere).
 
@@ -240,12 +245,13 @@ class MegatronEngine(EngineHFMixin):
         parts = [list(range(len(seqlens)))] if max_tokens_per_mb is None or not seqlens else \
             padded_partition([[n] for n in seqlens], 1, max_tokens_per_mb)
         if len(parts) == 1:
-            return self._packed_result(self._infer(input_ids, seqlens, None, fn))
+            return self._packed_result(self._infer(input_ids, seqlens, None, fn, routes))
         check_packed(input_ids, seqlens)
         offs = [0]
         for n in seqlens:
             offs.append(offs[-1] + n)
-        mbs = [MicroBatch(torch.cat([input_ids[offs[i]:offs[i + 1]] for i in p]), [seqlens[i] for i in p])
+        mbs = [MicroBatch(torch.cat([input_ids[offs[i]:offs[i + 1]] for i in p]), [seqlens[i] for i in p],
+                          routes=None if routes is None else torch.cat([routes[offs[i]:offs[i + 1]] for i in p]))
                for p in parts]
         self.model.eval()
         outs = self._runner.run(self.model, mbs, lambda mb, valid, out: fn(self._token_outputs(valid, out), mb),
@@ -285,27 +291,36 @@ class MegatronEngine(EngineHFMixin):
     # ------------------------------------------------------------------ inference
 
     def forward(self, input_ids: torch.Tensor, seqlens: list[int],
-                max_tokens_per_mb: Optional[int] = None) -> Optional[torch.Tensor]:
+                max_tokens_per_mb: Optional[int] = None, *,
+                routed_experts: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Packed fp32 logits ``[sum(seqlens), vocab_size]`` (HF vocab) on output ranks.
 
         Gathers the full vocabulary over tp: for log-probs use :meth:`logprobs`.
-        A critic returns its values ``[sum(seqlens), 1]``.
+        A critic returns its values ``[sum(seqlens), 1]``.  ``routed_experts``: see :meth:`logprobs`.
         """
         def fn(out: TokenOutputs, mb: MicroBatch) -> torch.Tensor:
             return out.values()[:, None] if self.critic else out.logits()
 
-        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn)
+        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn, self._routes(routed_experts))
+
+    def _routes(self, routed_experts: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Replayed experts for an MoE model with replay on (else ignored: a dense model has none)."""
+        if routed_experts is None or self.moe_step is None or not self.moe_step.replay:
+            return None
+        return routed_experts
 
     def logprobs(self, input_ids: torch.Tensor, seqlens: list[int],
                  max_tokens_per_mb: Optional[int] = None, *, temperature: float = 1.0,
-                 with_entropy: bool = False) -> Any:
+                 with_entropy: bool = False, routed_experts: Optional[torch.Tensor] = None) -> Any:
         """Log-prob of each next token, packed fp32 ``[sum(seqlens)]``, on output ranks.
 
         ``out[t] = log p(input_ids[t + 1] | input_ids[..t])`` within each sequence; the
         last position of every sequence has no next token and holds 0.  Computed on
         the vocab shards (no full-vocab gather).  ``with_entropy=True`` returns
         ``(logprobs, entropy)``, entropy of the next-token distribution at every
-        position.  Logits are divided by ``temperature`` first.
+        position.  Logits are divided by ``temperature`` first.  ``routed_experts`` (MoE,
+        routing replay): packed ``[sum(seqlens), layers, k]`` expert ids the generator chose per
+        token (``-1`` rows: the router's own choice), used instead of the router's top-k.
         """
         if self.critic:
             raise TypeError("logprobs() on a critic engine (use values())")
@@ -317,7 +332,7 @@ class MegatronEngine(EngineHFMixin):
             lp = torch.where(valid, lp, torch.zeros_like(lp))
             return (lp, ent) if with_entropy else lp
 
-        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn)
+        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn, self._routes(routed_experts))
 
     def values(self, input_ids: torch.Tensor, seqlens: list[int],
                max_tokens_per_mb: Optional[int] = None) -> Optional[torch.Tensor]:
@@ -418,7 +433,9 @@ class MegatronEngine(EngineHFMixin):
                 lens = [int(n) for n in lens]
                 check_packed(ids, lens, what=f"micro_batches[{i}].input_ids")
                 weights.append(float(loss_weight_fn(extra)))
-                mbs.append(MicroBatch(ids, lens, to_device(extra, self.device)))  # once, not per use
+                routes = extra.get(ROUTED_EXPERTS) if isinstance(extra, dict) else None
+                mbs.append(MicroBatch(ids, lens, to_device(extra, self.device),  # once, not per use
+                                      routes=self._routes(routes)))
         except (ValueError, TypeError) as e:
             problem = str(e)
         problem = self._check_replica_agrees(mbs, problem)
@@ -450,7 +467,8 @@ class MegatronEngine(EngineHFMixin):
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._runner.run(self.model, mbs, loss_func, forward_only=False, device=self.device)
+        self._runner.run(self.model, mbs, loss_func, forward_only=False, device=self.device,
+                         aux_scale_of=lambda i: weights[i] * g.strategy.dp / total_w)
         payload = None
         if g.is_last_stage:
             keys, err = self._agreed_stat_keys(stats, errors)
@@ -471,6 +489,8 @@ class MegatronEngine(EngineHFMixin):
                "n_tokens": n_tokens, "loss_weight": total_w, "n_mbs": n_mbs,
                "update_successful": float(ok), "nonfinite_skipped": float(not ok)}
         out.update(zip(payload["keys"], red[1:]))
+        if self.moe_step is not None:
+            out.update(self.moe_step.reduced_stats())
         return out
 
     def configure_nonfinite(self, mode: str, max_skips: int) -> None:

@@ -63,10 +63,11 @@ def _layer_spec(arch: HFArch, use_te: bool, attention: str):
 
     experts = arch.moe.num_experts if arch.moe is not None else None
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=experts, moe_grouped_gemm=experts is not None, qk_layernorm=arch.qk_norm)
-    spec = specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=arch.qk_norm,
-                                          normalization="RMSNorm")
+        return _with_realflow_router(spec, experts)
+    spec = _with_realflow_router(specs.get_gpt_layer_local_spec(
+        num_experts=experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm"), experts)
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"attention={attention!r}: expected one of {ATTENTION_BACKENDS}")
     sub = spec.submodules
@@ -79,6 +80,15 @@ def _layer_spec(arch: HFArch, use_te: bool, attention: str):
         from parallel.attention import SDPACoreAttention
 
         sub.self_attention.submodules.core_attention = SDPACoreAttention
+    return spec
+
+
+def _with_realflow_router(spec: Any, experts: Optional[int]) -> Any:
+    """MoE layers route with :class:`parallel.moe_router.RealflowRouter` (HF routing, replay)."""
+    if experts is not None:
+        from parallel.moe_router import RealflowRouter
+
+        spec.submodules.mlp.submodules.router = RealflowRouter
     return spec
 
 

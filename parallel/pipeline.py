@@ -37,17 +37,20 @@ class MicroBatch:
     input_ids: torch.Tensor  # [T] packed
     seqlens: list[int]
     extra: Any = None
+    routes: Optional[torch.Tensor] = None  # MoE routing replay: [T, layers, k] experts (-1: none)
 
 
 def split_packed(input_ids: torch.Tensor, seqlens: list[int],
-                 max_tokens: Optional[int]) -> list[MicroBatch]:
-    """Checked packed batch -> contiguous micro-batches under a token budget."""
+                 max_tokens: Optional[int], routes: Optional[torch.Tensor] = None) -> list[MicroBatch]:
+    """Checked packed batch -> contiguous micro-batches under a token budget (``routes``, packed
+    like ``input_ids``, split the same way)."""
     seqlens = [int(n) for n in seqlens]
     check_packed(input_ids, seqlens)
     offs = [0]
     for n in seqlens:
         offs.append(offs[-1] + n)
-    return [MicroBatch(input_ids[offs[a]:offs[b]], seqlens[a:b])
+    return [MicroBatch(input_ids[offs[a]:offs[b]], seqlens[a:b],
+                       routes=None if routes is None else routes[offs[a]:offs[b]])
             for a, b in split_by_token_budget(seqlens, max_tokens)]
 
 
@@ -80,11 +83,14 @@ def share_from_last_stage(groups: ModelGroups, payload: Optional[dict]) -> dict:
 class ScheduleRunner:
     """Runs micro-batches through megatron's schedule for one model's groups."""
 
-    def __init__(self, groups: ModelGroups, config: Any) -> None:
+    def __init__(self, groups: ModelGroups, config: Any, moe: Optional[Any] = None) -> None:
+        """``moe``: the model's :class:`parallel.moe_step.MoEStep` (routing inputs in, aux loss and
+        statistics out, around each micro-batch's forward); None for a dense model."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.groups = groups
         self.config = config
+        self.moe = moe
         pp = groups.strategy.pp
         self._fwd_bwd = get_forward_backward_func(pp_size=pp, vp_size=None)
         self._p2p = None
@@ -111,17 +117,27 @@ class ScheduleRunner:
         return padded, s_all, b_all
 
     def run(self, model: torch.nn.Module, mbs: list[MicroBatch], on_output: OutputCallback,
-            forward_only: bool, device: torch.device) -> list[Any]:
+            forward_only: bool, device: torch.device,
+            aux_scale_of: Optional[Callable[[int], float]] = None) -> list[Any]:
         """Schedule ``mbs``; ``on_output(mb, valid, output, non_loss_data)`` runs on the
         last stage per micro-batch: forward-only -> its return values are collected
         (returned in order on the last stage, ``[]`` elsewhere); training -> it must
-        return ``(loss, {})`` and the schedule back-propagates ``loss / len(mbs)``."""
+        return ``(loss, {})`` and the schedule back-propagates ``loss / len(mbs)``.
+        ``aux_scale_of(i)``: micro-batch i's weight in the objective (an MoE model's
+        load-balancing loss is added with it; see :mod:`parallel.moe_step`)."""
         padded, seq, mbsz = self._pad(mbs, device)
         items = iter(list(zip(mbs, padded)))
+        moe = self.moe
+        if moe is not None:
+            moe.start(None if forward_only else aux_scale_of)
 
         def step(data_iter: Any, model_: torch.nn.Module):
             mb, pb = next(data_iter)
+            if moe is not None:
+                moe.before(pb, mb.routes, training=not forward_only)
             out = model_(pb.input_ids, pb.position_ids, None)  # causal mask built by megatron
+            if moe is not None:
+                out = moe.after(out, training=not forward_only)
             return out, partial(self._call, on_output, mb, pb.valid)
 
         kw: dict[str, Any] = {}

@@ -17,7 +17,9 @@ d1t2e2 (the tensor-parallel ranks hold half the experts each).  Per layout:
    dp = 1 layouts every gathered gradient (router and experts included) within GRAD_RTOL (p2:
    the aux loss is HF's over each stage's layers, summed; see parallel.moe_step);
 4. ``save_hf`` from that layout reloads in transformers bit-identical to the original (before
-   the step).
+   the step);
+
+and reallocation through d2e2 -> t2 -> d1t2e2 -> p2 -> d2 -> d2e2 is exact (``case_realloc``).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ MODEL = dict(family="qwen3_moe", vocab_size=100, hidden_size=64, num_hidden_laye
 LAYOUTS = {"d1": "d1", "t2": "t2", "p2": "p2", "d2e2": "d2e2", "d1t2e2": "d1t2e2"}
 SEQLENS = [5, 17, 1, 9, 30, 12]
 BUDGETS = (None, 20)
-CASES = ["case_setup"] + [f"case_{lay}" for lay in LAYOUTS]
+CASES = ["case_setup"] + [f"case_{lay}" for lay in LAYOUTS] + ["case_realloc"]
 
 
 def _ids():
@@ -285,6 +287,53 @@ def _run(ctx, layout):
 
 for _lay in LAYOUTS:
     globals()[f"case_{_lay}"] = (lambda lay: lambda ctx: _run(ctx, lay))(_lay)
+
+REALLOC_CHAIN = ["d2e2", "t2", "d1t2e2", "p2", "d2", "d2e2"]
+
+
+def case_realloc(ctx):
+    """Parameter reallocation through layouts of different expert parallelism is exact: each
+    destination equals its shard (reference_shard) of the checkpoint's full tensors, and the
+    shard spec names exactly the model's parameters (local expert indices included)."""
+    from parallel.groups import build_model_groups
+    from parallel.hf_io import hf_to_mcore, load_hf_checkpoint, param_table, read_hf_tensors
+    from parallel.model import build_gpt_model
+    from parallel.model_config import hf_arch
+    from parallel.realloc import plan_reallocation, prepare_reallocation, reallocate, reference_shard, shard_spec
+    from realflow.api.allocation import parse_strategy
+    from realflow.api.layout import Layout
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(_path(ctx))
+    arch = hf_arch(cfg)
+    hf = read_hf_tensors(_path(ctx))
+    full = {e.mcore_name: hf_to_mcore(e, [hf[n] for n in e.hf_names], arch.vocab_size, cfg.num_key_value_heads)
+            for e in param_table(cfg, arch)}
+    models, moved = [], 0
+    for name in REALLOC_CHAIN:
+        lay = Layout((0, 1), parse_strategy(name))
+        groups = build_model_groups([0, 1], lay.strategy)
+        model = build_gpt_model(cfg, groups)[0]
+        spec = shard_spec(cfg, lay)[ctx.rank]
+        params = dict(model.named_parameters())
+        assert sorted(params) == sorted(sh.local_name for sh in spec.values()), name
+        if not models:
+            load_hf_checkpoint(model, _path(ctx), cfg, hf_arch(cfg, tp_size=lay.strategy.tp),
+                               groups.tp_rank, lay.strategy.tp)
+        else:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(13.0)
+            src_model, src_lay = models[-1]
+            plan = plan_reallocation(cfg, src_lay, lay, torch.float32)
+            res = prepare_reallocation(plan, timeout=60)
+            reallocate(plan, res, src_model, model, timeout=60)
+            res.close()
+        for n, sh in spec.items():
+            assert torch.equal(params[sh.local_name], reference_shard(sh, full[n])), (name, sh.local_name)
+            moved += 1
+        models.append((model, lay))
+    return {"checked": moved}
 
 
 @pytest.fixture(scope="module")

@@ -107,7 +107,7 @@ def routed_experts_tensor(arr: np.ndarray, n_tokens: int) -> torch.Tensor:
     if arr.ndim != 3 or arr.shape[0] not in (n_tokens - 1, n_tokens):
         raise RoutingFormatError(f"routed experts {list(arr.shape)} for a sequence of {n_tokens} tokens "
                                  f"(expected {n_tokens - 1} or {n_tokens} rows)")
-    t = torch.from_numpy(np.ascontiguousarray(arr))
+    t = torch.from_numpy(np.require(arr, requirements=["C", "W"]))  # (a decoded answer is read-only: copied)
     if t.shape[0] == n_tokens - 1:
         t = torch.cat([t, t[-1:]]) if t.shape[0] else t.new_zeros((n_tokens, *t.shape[1:]))
     return t

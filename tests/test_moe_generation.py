@@ -96,6 +96,27 @@ def test_routing_after_a_retraction_covers_the_whole_sequence(engine, moe):
         check_routing(model, p, r.output_ids, r.routed_experts)
 
 
+def test_weight_updates_reach_experts_and_router(moe, tmp_path):
+    """A disk update and an HF-tensor update (the servers' paths) rewrite the experts and the
+    router's fp32 copy: outputs and routing follow the new weights."""
+    from parallel.generation import EngineConfig, GenerationEngine
+    from parallel.hf_io import read_hf_tensors
+
+    eng = GenerationEngine.from_hf(moe[0], EngineConfig(max_running_requests=4))
+    other = str(tmp_path / "b")
+    _, model_b = make_tiny_hf(other, family="qwen3_moe", seed=11)
+    assert eng.update_weights_from_disk(other) == 1
+    r = eng.generate([PROMPTS[2]], greedy(8))[0]
+    assert r.output_ids == hf_greedy(model_b, PROMPTS[2], 8)
+    check_routing(model_b, PROMPTS[2], r.output_ids, r.routed_experts)
+    names = [n for g in eng.hf_weight_groups() for n in g]  # HF names: per-expert, and the routers
+    hf = read_hf_tensors(moe[0], names)
+    assert eng.update_weights_from_tensors(hf, "hf") == 2
+    r = eng.generate([PROMPTS[2]], greedy(8))[0]
+    assert r.output_ids == hf_greedy(moe[1], PROMPTS[2], 8)
+    check_routing(moe[1], PROMPTS[2], r.output_ids, r.routed_experts)
+
+
 def test_routing_only_when_asked_and_only_for_moe(engine, tmp_path):
     from parallel.generation import GenerationEngine
 

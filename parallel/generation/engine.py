@@ -86,7 +86,7 @@ class _Seq:
         self.routed: Optional[RoutingBuffer] = None  # MoE routing record (parallel.generation.routing)
 
     def result(self, reason: dict[str, Any]) -> GenerationResult:
-        routed = None if self.routed is None else self.routed.array()
+        routed = None if self.routed is None or self.routed.n == 0 else self.routed.array()  # 0: never ran
         return GenerationResult(self.rid, self.prompt, self.out, self.logprobs, self.versions,
                                 reason, self.request_rid, self.index, routed)
 

@@ -185,7 +185,8 @@ class GenerationResult:
     ``routed_experts`` (MoE models, when asked: ``SamplingParams.return_routed_experts``): an
     integer numpy array ``[len(prompt_ids) + len(output_ids) - 1, num_layers, topk]`` of global
     expert ids, row ``t`` the experts the token at position ``t`` was routed to (the last output
-    token is never run as input); uint8 for up to 256 experts, else int16.  None otherwise.
+    token is never run as input); uint8 for up to 256 experts, else int16.  None for dense models,
+    when not asked, and for a sequence that never ran (aborted while queued).
     """
 
     rid: str

@@ -81,6 +81,21 @@ def test_greedy_equals_transformers_and_routing_is_the_routers(engine, moe):
         check_routing(model, p, r.output_ids, r.routed_experts)
 
 
+def test_expert_path_without_cpu_copies_gives_the_same_answers(moe):
+    """The GPU path (no transposed CPU copies: ``F.linear`` on the shared expert weights) equals the CPU one."""
+    from parallel.generation import EngineConfig, GenerationEngine
+
+    eng = GenerationEngine.from_hf(moe[0], EngineConfig(max_running_requests=4))
+    before = eng.generate(PROMPTS[:3], greedy(8))
+    for layer in eng.weights.layers:
+        layer.moe.fc1_t = layer.moe.fc2_t = None
+    after = eng.generate(PROMPTS[:3], greedy(8))
+    for a, b in zip(before, after):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_array_equal(a.routed_experts, b.routed_experts)
+        assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-5
+
+
 def test_routing_after_a_retraction_covers_the_whole_sequence(engine, moe):
     _, model = moe
     rids = [engine.add_request(f"re{i}", p, greedy(10))[0] for i, p in enumerate(PROMPTS[:3])]

@@ -26,7 +26,9 @@ from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.config_values import dict_to_config
 from realflow.api.generation import SamplingParams
 from realflow.api.interface import Model, ModelInterface, register_interface
-from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROMPTS, PROX_LOGPROBS, REF_LOGPROBS
+from realflow.api.keys import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROMPTS, PROX_LOGPROBS, REF_LOGPROBS,
+                               ROUTED_EXPERTS)
+from realflow.api.routing import routed_experts_tensor
 
 
 @register_interface("ppo_actor")
@@ -76,7 +78,8 @@ class PPOActorInterface(ModelInterface):
         params = [self._sampling(tok, self.n_samples, zlib.crc32(f"{self.seed}/{model.version}/{sid}".encode()))
                   for sid in batch.ids]
         results = gen.generate(prompts, params)
-        ids, pmask, lps, no_eos = [], [], [], []
+        ids, pmask, lps, no_eos, routed = [], [], [], [], []
+        moe = bool(results) and all(r.routed_experts is not None for r in results)  # routing replay (R3)
         for i in range(len(batch)):
             g_ids, g_pm, g_lp, g_ne = [], [], [], []
             for r in results[i * self.n_samples:(i + 1) * self.n_samples]:
@@ -88,12 +91,17 @@ class PPOActorInterface(ModelInterface):
                     lp[len(p) - 1:len(p) - 1 + len(o)] = torch.tensor(r.output_logprobs, dtype=torch.float32)
                 g_lp.append(lp)
                 g_ne.append(torch.tensor([float(r.finish_reason.get("type") == "length")]))
+            if moe:
+                routed.append([routed_experts_tensor(r.routed_experts, len(r.prompt_ids) + len(r.output_ids))
+                               for r in results[i * self.n_samples:(i + 1) * self.n_samples]])
             ids.append(g_ids)
             pmask.append(g_pm)
             lps.append(g_lp)
             no_eos.append(g_ne)
-        return SequenceBatch.from_samples(batch.ids, {INPUT_IDS: ids, PROMPT_MASK: pmask, LOGPROBS: lps,
-                                                      NO_EOS: no_eos})
+        data = {INPUT_IDS: ids, PROMPT_MASK: pmask, LOGPROBS: lps, NO_EOS: no_eos}
+        if moe:
+            data[ROUTED_EXPERTS] = routed
+        return SequenceBatch.from_samples(batch.ids, data)
 
     def _sampling(self, tok: Any, n: int, seed: int) -> SamplingParams:
         """How responses are sampled (training and held-out pass@1 alike).

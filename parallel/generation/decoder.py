@@ -14,6 +14,11 @@ Tensor parallelism (megatron's layout): qkv and fc1 are column-parallel (this
 rank's heads / ffn columns), proj and fc2 row-parallel followed by an
 all-reduce over ``tp_group``; the embedding is vocab-parallel (masked lookup +
 all-reduce) and the LM head's logits are all-gathered.
+
+Mixture of experts (``spec.arch.moe``): the MLP is :func:`parallel.generation.moe.moe_forward`,
+and every prefill / decode leaves the top-k expert ids it routed each input token to in
+:attr:`Decoder.routing` (``[..., layers, topk]``, :func:`~parallel.generation.moe.routing_dtype`):
+what routing replay (R3) hands the trainer.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallel.generation.moe import moe_forward, routing_dtype
 from parallel.generation.weights import DecoderWeights, ModelSpec
 from parallel.model_config import rope_inv_freq
 
@@ -148,6 +154,12 @@ class Decoder:
         self.eps = torch.tensor(s.eps, dtype=torch.float32, device=weights.device)  # see _rms
         self._neg_inf = torch.tensor(float("-inf"), device=weights.device)  # decode's mask values
         self._zero = torch.tensor(0.0, device=weights.device)
+        moe = s.arch.moe
+        self.moe = moe
+        self.routing_dtype = routing_dtype(moe.num_experts) if moe is not None else None
+        # MoE only: the top-k expert ids of every input token of the last prefill ([J, P, layers,
+        # topk], padding rows included) or decode ([B, layers, topk]); None for dense models
+        self.routing: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------- tp helpers
 
@@ -191,6 +203,18 @@ class Decoder:
         gate, up = _linear(h, layer.fc1_w, layer.fc1_t).chunk(2, dim=-1)
         return self._all_reduce(_linear(F.silu(gate) * up, layer.fc2_w, layer.fc2_t))
 
+    def _moe(self, layer, li: int, x: torch.Tensor, routing: torch.Tensor,
+             rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """MoE MLP of ``x [..., h]``; writes layer ``li``'s expert ids into ``routing [N, layers, k]``."""
+        h = _rms(x, layer.ln2, self.eps)
+        out, ids = moe_forward(h.reshape(-1, h.shape[-1]), layer.moe, self.moe.topk, self.moe.norm_topk_prob,
+                               self._all_reduce, rows)
+        routing[:, li] = ids
+        return out.view(x.shape)
+
+    def _new_routing(self, n: int, device: torch.device) -> torch.Tensor:
+        return torch.empty((n, self.spec.num_layers, self.moe.topk), dtype=self.routing_dtype, device=device)
+
     # ------------------------------------------------------------- forward
 
     @torch.inference_mode()
@@ -206,6 +230,11 @@ class Decoder:
         x = self._embed(ids)  # [J, P, h]
         cos = self.cos[:P].view(1, P, 1, 1, -1)
         sin = self.sin[:P].view(1, P, 1, 1, -1)
+        routing = rows = None
+        if self.moe is not None:
+            routing = self._new_routing(J * P, x.device)
+            if int(lens.sum()) != J * P:  # experts run on the real tokens only
+                rows = (self._positions[:P][None, :] < lens[:, None]).reshape(-1).nonzero().squeeze(1)
         for li, layer in enumerate(self.w.layers):
             h = _rms(x, layer.ln1, self.eps)
             q, k, v = self._qkv(layer, h)  # q [J, P, ng, rep, hd], k/v [J, P, ng, hd]
@@ -218,7 +247,9 @@ class Decoder:
                                                enable_gqa=self.rep > 1)
             o = o.transpose(1, 2).reshape(J, P, s.local_heads * s.head_dim)
             x = x + self._all_reduce(_linear(o, layer.proj_w, layer.proj_t))
-            x = x + self._mlp(layer, x)
+            x = x + (self._mlp(layer, x) if routing is None else self._moe(layer, li, x, routing, rows))
+        if routing is not None:
+            self.routing = routing.view(J, P, s.num_layers, -1)
         last = x[torch.arange(J, device=x.device), lens - 1]
         return self.logits(last)
 
@@ -247,6 +278,7 @@ class Decoder:
         keys_t = cache.kt[:, :B, :, :, :L].flatten(1, 2)  # [layers, B*ng, hd, L], a view
         values = cache.v[:, :B, :, :L].flatten(1, 2)  # [layers, B*ng, L, hd]
         ffn = s.ffn // s.tp_size
+        routing = None if self.moe is None else self._new_routing(B, x.device)
         for li, layer in enumerate(self.w.layers):
             h = _rms(x, layer.ln1, self.eps)
             qkv = _linear(h, layer.qkv_w, layer.qkv_t, layer.qkv_b).view(B, ng, rep + 2, hd)
@@ -263,7 +295,12 @@ class Decoder:
                                    alpha=self.scale)  # [B*ng, rep, L]
             o = torch.bmm(torch.softmax(scores, dim=-1), values[li])  # [B*ng, rep, hd]
             x.add_(self._all_reduce(_linear(o.view(B, ng * rep * hd), layer.proj_w, layer.proj_t)))
+            if routing is not None:
+                x.add_(self._moe(layer, li, x, routing))
+                continue
             gate_up = _linear(_rms(x, layer.ln2, self.eps), layer.fc1_w, layer.fc1_t)
             act = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
             x.add_(self._all_reduce(_linear(act, layer.fc2_w, layer.fc2_t)))
+        if routing is not None:
+            self.routing = routing
         return self.logits(x)

@@ -33,6 +33,7 @@ from parallel.generation.adapters import AdapterMerger
 from parallel.generation.decoder import Decoder, KVCache
 from parallel.generation.weight_updates import WeightUpdatesMixin
 from parallel.generation.kv_budget import fit_slots, free_bytes, slot_bytes
+from parallel.generation.routing import RoutingBuffer, new_buffer, record_decode, record_prefill
 from parallel.generation.sampler import SampleBatch, sample
 from parallel.generation.weights import DecoderWeights, ModelSpec, load_hf_weights
 from realflow.api.generation import (GenerationFailed, GenerationResult, SamplingParams, check_inference_memory,
@@ -66,7 +67,7 @@ class EngineConfig:
 
 class _Seq:
     __slots__ = ("rid", "request_rid", "index", "prompt", "out", "logprobs", "versions", "params",
-                 "rng", "stop_ids", "stop_window", "samples", "truncates")
+                 "rng", "stop_ids", "stop_window", "samples", "truncates", "routed")
 
     def __init__(self, rid: str, request_rid: str, index: int, prompt: list[int],
                  params: SamplingParams, seed: int, stop_ids: frozenset[int]) -> None:
@@ -82,10 +83,12 @@ class _Seq:
         self.stop_window = 4 * max((len(s) for s in params.stop), default=0) + 8
         self.samples = not params.greedy
         self.truncates = self.samples and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0)
+        self.routed: Optional[RoutingBuffer] = None  # MoE routing record (parallel.generation.routing)
 
     def result(self, reason: dict[str, Any]) -> GenerationResult:
+        routed = None if self.routed is None or self.routed.n == 0 else self.routed.array()  # 0: never ran
         return GenerationResult(self.rid, self.prompt, self.out, self.logprobs, self.versions,
-                                reason, self.request_rid, self.index)
+                                reason, self.request_rid, self.index, routed)
 
 
 @dataclass
@@ -252,8 +255,13 @@ class GenerationEngine(WeightUpdatesMixin):
         if not params.ignore_eos:
             stop_ids.update(self.spec.eos_token_ids)
         base = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
+        moe = self.spec.arch.moe
+        record = moe is not None and params.return_routed_experts is not False
         for i, r in enumerate(rids):
             seq = _Seq(r, rid, i, prompt, params, base + i, frozenset(stop_ids))
+            if record:
+                seq.routed = new_buffer(self.decoder.routing_dtype, self.spec.num_layers, moe.topk,
+                                        min(len(prompt) + params.max_new_tokens, self._max_context))
             self._ids.add(r)
             if params.max_new_tokens == 0:
                 self._finish_now(seq, {"type": "length", "length": 0})
@@ -326,6 +334,10 @@ class GenerationEngine(WeightUpdatesMixin):
             self._prefill(n_old, joined, finished)
         if n_old:
             logits = self.decoder.decode(self._last[:n_old], self._pos[:n_old], self.cache)
+            if self.decoder.routing is not None:  # the fed token sits at len(prompt) + len(out) - 1
+                olds = self._running[:n_old]
+                record_decode([s.routed for s in olds], self.decoder.routing,
+                              [len(s.prompt) + len(s.out) - 1 for s in olds])
             self._accept(0, logits, finished, decode=True)
         done += [r for _, r in self._remove_rows(finished)]
         self.steps += 1
@@ -358,6 +370,8 @@ class GenerationEngine(WeightUpdatesMixin):
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
         self._set_slots(row0, joined)
         logits = self.decoder.prefill(ids.to(dev), lens_t, self.cache, row0)
+        if self.decoder.routing is not None:
+            record_prefill([s.routed for s in joined], self.decoder.routing, lens)
         self._pos[row0:row0 + len(seqs)] = lens_t
         self._accept(row0, logits, finished, decode=False)
 

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from realflow.api.generation import BackendConfig, generation_backends
+from realflow.api.routing import moe_routing_of
 
 __all__ = ["SGLangServerBackend", "sglang_available", "sglang_command"]
 
@@ -47,6 +48,12 @@ def sglang_command(cfg: BackendConfig, host: str, port: int) -> list[str]:
         cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora["r"]), "--max-loras-per-batch", "1"]
         if cfg.lora.get("target_modules"):
             cmd += ["--lora-target-modules", *cfg.lora["target_modules"]]
+    if moe_routing_of(cfg.model_path) is not None and "enable_return_routed_experts" not in cfg.extra:
+        # MoE: routing replay needs the experts each token went to; SGLang records them only with
+        # this flag, and returns them for requests with return_routed_experts=true (the rollout
+        # controller's ServerPool sends it; realflow.api.routing decodes SGLang's base64 int32).
+        # UNTESTED here (no GPU, no sglang): the flag and format are from SGLang's PR 12162.
+        cmd.append("--enable-return-routed-experts")
     for k, v in sorted(cfg.extra.items()):
         flag = "--" + k.replace("_", "-")
         if v is True:

@@ -11,6 +11,8 @@ Local layout (see :mod:`parallel.hf_io`): ``linear_qkv`` rows are per query grou
 ``[q heads of the group; k; v]``, this rank holding ``ng / tp`` whole groups;
 ``linear_fc1`` is ``[gate_r; up_r]``; embedding / output rows are this rank's
 slice of the padded vocab; ``linear_proj`` / ``linear_fc2`` hold input columns.
+MoE layers (``spec.arch.moe``) have a router and experts instead of ``linear_fc1`` /
+``linear_fc2``: :mod:`parallel.generation.moe`.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from parallel.generation.moe import MoELayerWeights, moe_layer_shapes
 from parallel.hf_io import (CheckpointError, hf_to_mcore, param_table, read_hf_tensors,
                             tp_shard)
 from parallel.model_config import HFArch, hf_arch
@@ -58,7 +61,10 @@ class ModelSpec:
         nh = int(_get(hf_config, "num_attention_heads"))
         ng = int(_get(hf_config, "num_key_value_heads", None) or nh)
         ffn = int(_get(hf_config, "intermediate_size"))
-        for name, v in (("num_key_value_heads", ng), ("intermediate_size", ffn)):
+        checks = [("num_key_value_heads", ng), ("intermediate_size", ffn)]
+        if arch.moe is not None:
+            checks.append(("moe_intermediate_size", arch.moe.ffn))
+        for name, v in checks:
             if v % tp_size:
                 raise ValueError(f"{name}={v} is not divisible by tp_size={tp_size}")
         eos = _get(hf_config, "eos_token_id", None)
@@ -92,20 +98,23 @@ class LayerWeights:
     k_norm: Optional[torch.Tensor]
     proj_w: torch.Tensor
     ln2: torch.Tensor
-    fc1_w: torch.Tensor
-    fc2_w: torch.Tensor
+    fc1_w: Optional[torch.Tensor] = None  # dense MLP (None in an MoE layer)
+    fc2_w: Optional[torch.Tensor] = None
     # [in, out] contiguous copies of the linear weights (CPU only, see DecoderWeights)
     qkv_t: Optional[torch.Tensor] = None
     proj_t: Optional[torch.Tensor] = None
     fc1_t: Optional[torch.Tensor] = None
     fc2_t: Optional[torch.Tensor] = None
+    moe: Optional[MoELayerWeights] = None  # router and experts of an MoE layer
 
     def linears(self) -> list[tuple[str, str]]:
-        return [("qkv_w", "qkv_t"), ("proj_w", "proj_t"), ("fc1_w", "fc1_t"), ("fc2_w", "fc2_t")]
+        pairs = [("qkv_w", "qkv_t"), ("proj_w", "proj_t"), ("fc1_w", "fc1_t"), ("fc2_w", "fc2_t")]
+        return [(w, t) for w, t in pairs if getattr(self, w) is not None]
 
 
 def _layer_names(i: int, spec: ModelSpec) -> dict[str, Optional[str]]:
     p = f"decoder.layers.{i}."
+    dense = spec.arch.moe is None
     return {
         "ln1": p + "input_layernorm.weight",
         "qkv_w": p + "self_attention.linear_qkv.weight",
@@ -114,8 +123,8 @@ def _layer_names(i: int, spec: ModelSpec) -> dict[str, Optional[str]]:
         "k_norm": p + "self_attention.k_layernorm.weight" if spec.arch.qk_norm else None,
         "proj_w": p + "self_attention.linear_proj.weight",
         "ln2": p + "pre_mlp_layernorm.weight",
-        "fc1_w": p + "mlp.linear_fc1.weight",
-        "fc2_w": p + "mlp.linear_fc2.weight",
+        "fc1_w": p + "mlp.linear_fc1.weight" if dense else None,
+        "fc2_w": p + "mlp.linear_fc2.weight" if dense else None,
     }
 
 
@@ -130,10 +139,13 @@ def _expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes = {"ln1": (h,), "qkv_w": (qkv_rows, h), "qkv_b": (qkv_rows,), "q_norm": (hd,),
               "k_norm": (hd,), "proj_w": (h, nh * hd), "ln2": (h,),
               "fc1_w": (2 * spec.ffn // spec.tp_size, h), "fc2_w": (h, spec.ffn // spec.tp_size)}
+    moe = spec.arch.moe
     for i in range(spec.num_layers):
         for key, name in _layer_names(i, spec).items():
             if name is not None:
                 out[name] = shapes[key]
+        if moe is not None:
+            out.update(moe_layer_shapes(i, moe.num_experts, h, moe.ffn, spec.tp_size))
     return out
 
 
@@ -170,6 +182,10 @@ class DecoderWeights:
                        for i in range(spec.num_layers)]
         self.dtype = self.embedding.dtype
         self.device = self.embedding.device
+        if spec.arch.moe is not None:
+            for i, layer in enumerate(self.layers):
+                layer.moe = MoELayerWeights.build(self.tensors, i, spec.arch.moe.num_experts,
+                                                  transposed=self.device.type == "cpu")
         self.output_t: Optional[torch.Tensor] = None
         if self.device.type == "cpu":
             self._make_transposed()
@@ -192,7 +208,10 @@ class DecoderWeights:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Re-copy the transposed weights from the (possibly shared) originals."""
+        """Re-copy the transposed weights (and MoE routers) from the (possibly shared) originals."""
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.refresh()
         if self.output_t is None:
             return
         for layer in self.layers:
@@ -274,7 +293,8 @@ def load_hf_weights(path: str, hf_config: Any, spec: ModelSpec,
 
 
 _ARCH_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size")
+                "intermediate_size", "vocab_size", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size")
 
 
 def check_same_architecture(path: str, hf_config: Any) -> None:

@@ -45,6 +45,9 @@ class Completion:
     finish_reason: str  # stop | length | abort
     text: Optional[str] = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: MoE policy: numpy ``[len(prompt_ids) + len(output_ids) - 1, layers, topk]`` expert ids
+    #: (routing replay, :mod:`realflow.api.routing`); None for dense models
+    routed_experts: Any = None
 
     @property
     def truncated(self) -> bool:
@@ -52,7 +55,7 @@ class Completion:
 
     def trajectory(self, reward: float) -> Trajectory:
         return Trajectory.single_turn(self.prompt_ids, self.output_ids, self.logprobs, self.versions,
-                                      reward, truncated=self.truncated)
+                                      reward, truncated=self.truncated, routed_experts=self.routed_experts)
 
 
 class AgentContext(Protocol):

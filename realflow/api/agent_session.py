@@ -48,6 +48,7 @@ class RecordedCompletion:
     parent: Optional[int] = None  # order of the completion this prompt extends exactly
     reward: Optional[float] = None  # set by the agent through the proxy
     info: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Any = None  # MoE policy: [prompt + output - 1, layers, topk] (realflow.api.routing)
 
     @property
     def truncated(self) -> bool:
@@ -79,7 +80,8 @@ def _completion_mode(recs: Sequence[RecordedCompletion], reward: Optional[float]
     out.reverse()
     trajs = []
     for r, R in zip(recs, out):
-        t = Trajectory.single_turn(r.prompt_ids, r.output_ids, r.logprobs, r.versions, R, truncated=r.truncated)
+        t = Trajectory.single_turn(r.prompt_ids, r.output_ids, r.logprobs, r.versions, R, truncated=r.truncated,
+                                   routed_experts=r.routed_experts)
         t.info = {"completion": r.id, "choice": r.choice, "turn": r.order}
         trajs.append(t)
     return trajs
@@ -107,8 +109,10 @@ def _conversation_mode(recs: Sequence[RecordedCompletion], by_order: dict[int, R
             for j in range(len(c.output_ids)):
                 gen[start + j], lps[start + j], vers[start + j] = True, float(c.logprobs[j]), int(c.versions[j])
         total = (0.0 if reward is None else float(reward)) + sum(float(c.reward or 0.0) for c in chain)
+        # the leaf's prompt is the whole conversation before its output: its routing covers every token
         t = Trajectory(ids, gen, lps, vers, total, truncated=leaf.truncated,
-                       info={"completions": [c.id for c in chain], "turns": len(chain)})
+                       info={"completions": [c.id for c in chain], "turns": len(chain)},
+                       routed_experts=leaf.routed_experts)
         trajs.append(t)
     return trajs
 

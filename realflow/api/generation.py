@@ -70,6 +70,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # False: the model's eos token ids stop generation too
     logprob_mode: str = "raw"  # see module docstring
+    # MoE models: return the experts each token was routed to (GenerationResult.routed_experts);
+    # None = the engine's default (the built-in engine: on for MoE models; dense models never have it)
+    return_routed_experts: Optional[bool] = None
 
     def validate(self) -> "SamplingParams":
         """Raise ValueError naming the first bad field; returns self (normalised)."""
@@ -105,6 +108,8 @@ class SamplingParams:
             raise bad("ignore_eos", "must be a boolean")
         if self.logprob_mode not in LOGPROB_MODES:
             raise bad("logprob_mode", f"must be one of {LOGPROB_MODES}")
+        if self.return_routed_experts is not None and not isinstance(self.return_routed_experts, bool):
+            raise bad("return_routed_experts", "must be null or a boolean")
         self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
         return self
 
@@ -176,6 +181,12 @@ class GenerationResult:
     i when the request had ``n > 1``.  ``output_logprobs[j]`` is the logprob of
     ``output_ids[j]`` (see module docstring for which distribution) and
     ``output_versions[j]`` the weight version that generated it.
+
+    ``routed_experts`` (MoE models, when asked: ``SamplingParams.return_routed_experts``): an
+    integer numpy array ``[len(prompt_ids) + len(output_ids) - 1, num_layers, topk]`` of global
+    expert ids, row ``t`` the experts the token at position ``t`` was routed to (the last output
+    token is never run as input); uint8 for up to 256 experts, else int16.  None for dense models,
+    when not asked, and for a sequence that never ran (aborted while queued).
     """
 
     rid: str
@@ -186,6 +197,7 @@ class GenerationResult:
     finish_reason: dict[str, Any]  # {"type": "stop"|"length"|"abort"|"error", "matched"/"message": ...}
     request_rid: str = ""  # the id of the request this sequence belongs to
     index: int = 0  # sample index within the request
+    routed_experts: Any = None  # numpy [prompt + output - 1, layers, topk] (see the class docstring)
 
     @property
     def weight_version(self) -> int:

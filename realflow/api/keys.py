@@ -13,7 +13,7 @@ Conventions of the per-token keys (aligned with ``packed_input_ids``) are in
 from __future__ import annotations
 
 __all__ = ["PROMPTS", "ANSWER", "INPUT_IDS", "PROMPT_MASK", "LOGPROBS", "NO_EOS", "REWARDS", "REF_LOGPROBS",
-           "PROX_LOGPROBS", "VALUES", "VERSIONS"]
+           "PROX_LOGPROBS", "VALUES", "VERSIONS", "ROUTED_EXPERTS"]
 
 #: the prompt's token ids (one sequence per sample), from the dataset
 PROMPTS = "packed_prompts"
@@ -37,3 +37,7 @@ PROX_LOGPROBS = "proximal_logprobs"
 VALUES = "values"
 #: the weight version that generated each token (asynchronous rollouts)
 VERSIONS = "packed_versions"
+#: MoE models (routing replay, R3): the generator's top-k expert ids per token and layer,
+#: ``[tokens, num_layers, topk]`` uint8 (int16 beyond 256 experts), aligned with ``packed_input_ids``
+#: (row t = token t's experts; see :func:`realflow.api.routing.routed_experts_tensor`)
+ROUTED_EXPERTS = "routed_experts"

@@ -24,14 +24,17 @@ import torch
 
 from realflow.api.batch import SequenceBatch
 from realflow.api.generation import GenServerLimits, check_inference_memory
-from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REWARDS, VERSIONS
+from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REWARDS, ROUTED_EXPERTS, VERSIONS
+from realflow.api.routing import routed_experts_tensor
 
-__all__ = ["RolloutSpec", "Trajectory", "rollout_to_batch", "TRAJECTORY_KEYS", "VERSION_ADMIT",
+__all__ = ["RolloutSpec", "Trajectory", "rollout_to_batch", "TRAJECTORY_KEYS", "OPTIONAL_TRAJECTORY_KEYS", "VERSION_ADMIT",
            "VERSION_OLDEST", "VERSION_NEWEST", "WEIGHT_SYNC_MODES", "INTERRUPT_MODES", "RolloutError",
            "LORA_ADAPTER_NAME"]
 
 #: tensor keys of every trajectory sample (the async graph's source keys)
 TRAJECTORY_KEYS = (INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, VERSIONS)
+#: tensor keys of the trajectories of some models only: an MoE policy's routed experts (R3)
+OPTIONAL_TRAJECTORY_KEYS = (ROUTED_EXPERTS,)
 #: metadata: the weight version when the rollout was admitted, and of its oldest / newest token
 VERSION_ADMIT, VERSION_OLDEST, VERSION_NEWEST = "version_admit", "version_oldest", "version_newest"
 WEIGHT_SYNC_MODES = ("memory", "broadcast", "disk")
@@ -149,6 +152,10 @@ class Trajectory:
     agents, environment tokens in between); ``generated[j]`` says whether token ``j``
     was produced by the policy, in which case ``logprobs[j]`` is its behaviour
     log-prob and ``versions[j]`` the weight version that produced it.
+
+    ``routed_experts`` (MoE policies, routing replay): expert ids ``[len(input_ids) - 1, layers,
+    topk]`` as the generator returned them for the whole sequence (a multi-turn trajectory takes
+    its last completion's, which covers every earlier token), or ``[len(input_ids), ...]``.
     """
 
     input_ids: list[int]
@@ -158,13 +165,16 @@ class Trajectory:
     reward: float
     truncated: bool = False  # ended by the length limit, not by EOS / a stop
     info: dict[str, Any] = field(default_factory=dict)
+    routed_experts: Any = None  # numpy [len(input_ids) - 1, layers, topk] (see the class docstring)
 
     @classmethod
     def single_turn(cls, prompt_ids: Sequence[int], output_ids: Sequence[int], logprobs: Sequence[float],
-                    versions: Sequence[int], reward: float, truncated: bool = False) -> "Trajectory":
+                    versions: Sequence[int], reward: float, truncated: bool = False,
+                    routed_experts: Any = None) -> "Trajectory":
         n_p, n_o = len(prompt_ids), len(output_ids)
         return cls(list(prompt_ids) + list(output_ids), [False] * n_p + [True] * n_o,
-                   [0.0] * n_p + list(logprobs), [-1] * n_p + list(versions), float(reward), truncated)
+                   [0.0] * n_p + list(logprobs), [-1] * n_p + list(versions), float(reward), truncated,
+                   routed_experts=routed_experts)
 
     def check(self, where: str) -> None:
         n = len(self.input_ids)
@@ -178,6 +188,10 @@ class Trajectory:
             raise RolloutError(f"{where}: trajectory starts with a generated token (it needs a prompt)")
         if any(v < 0 for v, g in zip(self.versions, self.generated) if g):
             raise RolloutError(f"{where}: a generated token has no weight version")
+        r = self.routed_experts
+        if r is not None and (getattr(r, "ndim", 0) != 3 or r.shape[0] not in (n - 1, n)):
+            raise RolloutError(f"{where}: trajectory.routed_experts has shape {list(getattr(r, 'shape', []))} "
+                               f"for {n} tokens (expected [{n - 1}, layers, topk])")
 
 
 def rollout_to_batch(sample_id: str, trajectories: Sequence[Trajectory], version_admit: int,
@@ -185,10 +199,16 @@ def rollout_to_batch(sample_id: str, trajectories: Sequence[Trajectory], version
     """One episode's trajectories as a one-sample batch (a group of sequences)."""
     if not trajectories:
         raise RolloutError(f"rollout {sample_id}: the agent returned no trajectory")
-    ids, pmask, lps, no_eos, rewards, vers = [], [], [], [], [], []
+    ids, pmask, lps, no_eos, rewards, vers, routed = [], [], [], [], [], [], []
     oldest, newest = None, None
+    with_routing = sum(t.routed_experts is not None for t in trajectories)
+    if with_routing not in (0, len(trajectories)):
+        raise RolloutError(f"rollout {sample_id}: {with_routing} of {len(trajectories)} trajectories carry "
+                           f"routed experts (an MoE policy's trajectories all do)")
     for j, t in enumerate(trajectories):
         t.check(f"rollout {sample_id}, trajectory {j}")
+        if with_routing:
+            routed.append(routed_experts_tensor(t.routed_experts, len(t.input_ids)))
         n = len(t.input_ids)
         ids.append(torch.tensor(t.input_ids, dtype=torch.long))
         pmask.append(torch.tensor([not g for g in t.generated], dtype=torch.bool))
@@ -211,6 +231,8 @@ def rollout_to_batch(sample_id: str, trajectories: Sequence[Trajectory], version
                                   VERSION_NEWEST: [int(newest)]}
     if answer is not None:
         meta["answer"] = [str(answer)]
-    return SequenceBatch.from_samples([sample_id], {INPUT_IDS: [ids], PROMPT_MASK: [pmask], LOGPROBS: [lps],
-                                                    NO_EOS: [no_eos], REWARDS: [rewards], VERSIONS: [vers]},
-                                      metadata=meta)
+    data = {INPUT_IDS: [ids], PROMPT_MASK: [pmask], LOGPROBS: [lps], NO_EOS: [no_eos], REWARDS: [rewards],
+            VERSIONS: [vers]}
+    if with_routing:
+        data[ROUTED_EXPERTS] = [routed]
+    return SequenceBatch.from_samples([sample_id], data, metadata=meta)

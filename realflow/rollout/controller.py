@@ -38,6 +38,7 @@ from typing import Any, Awaitable, Callable, Optional
 from aiohttp import web
 
 from realflow.api.rollout import LORA_ADAPTER_NAME, RolloutSpec
+from realflow.api.routing import encode_routed_experts, moe_routing_of
 from realflow.comm import shm
 from realflow.comm.drop_log import DropLog
 from realflow.rollout.prompt_ledger import PromptLedger
@@ -89,6 +90,7 @@ class RolloutController:
         if spec.lora is not None and spec.backend != "builtin":
             self.pool.lora_name = LORA_ADAPTER_NAME  # SGLang serves the adapter by name (builtin merges it)
         self.pool.rejoin_wait_s = rejoin_wait_s
+        self.pool.moe_routing = moe_routing_of(spec.model_path)  # MoE: routing replay (realflow.api.routing)
         self.lookup_server = lookup_server
         self.rejoin_wait_s = rejoin_wait_s
         self._none_alive_since: Optional[float] = None
@@ -412,7 +414,9 @@ def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.
         return web.json_response([{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                                    "logprobs": r.logprobs, "versions": r.versions,
                                    "finish_reason": r.finish_reason, "resubmits": r.resubmits,
-                                   "servers": r.servers} for r in results])
+                                   "servers": r.servers,
+                                   "routed_experts": None if r.routed_experts is None
+                                   else encode_routed_experts(r.routed_experts)} for r in results])
 
     async def state(request: web.Request) -> web.Response:
         return web.json_response(ctl.state())

@@ -114,8 +114,11 @@ class GenerationClient:
     def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: Optional[Mapping[str, Any] | Sequence[Mapping[str, Any]]] = None,
                  return_logprob: bool = True, rid: Optional[str | list[str]] = None,
-                 timeout: Optional[float] = None) -> Any:
-        """SGLang ``/generate``: an object for one prompt with n == 1, else a list."""
+                 timeout: Optional[float] = None, return_routed_experts: Optional[bool] = None) -> Any:
+        """SGLang ``/generate``: an object for one prompt with n == 1, else a list.
+
+        ``return_routed_experts`` (MoE models; None: the server's default) asks for
+        ``meta_info["routed_experts"]``, read with :func:`realflow.api.routing.decode_routed_experts`."""
         body: dict[str, Any] = {"input_ids": [list(map(int, p)) for p in input_ids]
                                 if input_ids and not isinstance(input_ids[0], int)
                                 else list(map(int, input_ids)),
@@ -126,6 +129,8 @@ class GenerationClient:
                                        else dict(sampling_params))
         if rid is not None:
             body["rid"] = rid
+        if return_routed_experts is not None:
+            body["return_routed_experts"] = bool(return_routed_experts)
         return self._call("POST", "/generate", body,
                           timeout if timeout is not None else self.generate_timeout, wait_if_full=True)
 

@@ -12,6 +12,9 @@ Endpoints (JSON in and out; bad input -> 4xx ``{"error": message}``):
   ``prompt_tokens``, ``completion_tokens``, ``weight_version`` (of the last
   token), ``output_token_logprobs`` (``[[logprob, token_id, null], ...]``) and
   ``output_token_weight_versions`` (realflow's addition: one per token).
+  ``return_routed_experts`` (bool, SGLang's request flag; default: on for MoE models) adds
+  ``routed_experts`` (base64, as SGLang) with ``routed_experts_shape`` ``[prompt + output - 1,
+  layers, topk]`` and ``routed_experts_dtype`` (:mod:`realflow.api.routing`).
 * ``POST /update_weights_from_disk`` ``{model_path, weight_version?}``.
 * ``POST /update_weights_from_tensor`` ``{shm_handle, format: hf|megatron,
   weight_version?, unlink?}``: the handle of :func:`realflow.comm.shm.put_tensors`
@@ -64,6 +67,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
+from realflow.api.routing import encode_routed_experts
 from realflow.api.generation import (PAUSE_MODES, BackendConfig, ExternalServerBackend, GenerationResult,
                                      GenServerLimits, SamplingParams, check_inference_memory,
                                      generation_backends)
@@ -103,7 +107,7 @@ async def _json(request: web.Request) -> dict[str, Any]:
 
 
 def _parse_generate(body: dict[str, Any]) -> tuple[list[Any], list[SamplingParams], list[str], bool, bool]:
-    known = {"input_ids", "sampling_params", "return_logprob", "rid", "stream", "text"}
+    known = {"input_ids", "sampling_params", "return_logprob", "rid", "stream", "text", "return_routed_experts"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise BadRequest(f"unknown field(s) {unknown} (known: {sorted(known)})")
@@ -141,6 +145,12 @@ def _parse_generate(body: dict[str, Any]) -> tuple[list[Any], list[SamplingParam
         raise BadRequest("rid must be a non-empty string (one prompt) or a list of them (one per prompt)")
     if len(set(rids)) != len(rids):
         raise BadRequest("rid values must be unique")
+    routed = body.get("return_routed_experts")
+    if routed is not None:
+        if not isinstance(routed, bool):
+            raise BadRequest(f"return_routed_experts must be a boolean, got {routed!r}")
+        for p in params:
+            p.return_routed_experts = routed
     ret_lp = body.get("return_logprob", False)
     if not isinstance(ret_lp, bool):
         raise BadRequest(f"return_logprob must be a boolean, got {ret_lp!r}")
@@ -159,6 +169,8 @@ def _result_json(server: GenServer, r: GenerationResult, return_logprob: bool) -
     }
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.output_logprobs, r.output_ids)]
+    if r.routed_experts is not None:
+        meta.update(encode_routed_experts(r.routed_experts))
     out: dict[str, Any] = {"output_ids": r.output_ids, "meta_info": meta}
     text = server.backend.decode(r.output_ids)
     if text is not None:

@@ -229,7 +229,7 @@ class OpenAIProxy:
             recs.append(RecordedCompletion(id=rid, choice=i, order=len(s.records), prompt_ids=list(c.prompt_ids),
                                            output_ids=list(c.output_ids), logprobs=list(c.logprobs),
                                            versions=list(c.versions), finish_reason=c.finish_reason,
-                                           parent=parent))
+                                           parent=parent, routed_experts=c.routed_experts))
             s.records.append(recs[-1])
         return rid, recs
 

@@ -36,6 +36,7 @@ from realflow.api.agent import Completion, RewardTimeout, make_agent
 from realflow.data.source import load_tokenized
 from realflow.api.experiment import DatasetSpec, ExperimentSetup
 from realflow.api.rollout import rollout_to_batch
+from realflow.api.routing import decode_routed_experts
 from realflow.base.fault_injection import fault_point
 from realflow.comm.auth import Signer
 from realflow.comm.codec import encode
@@ -139,6 +140,14 @@ class RewardPool:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _routed(r: dict[str, Any]) -> Any:
+    """The routed experts of one controller answer (MoE policies), None when it has none."""
+    meta = r.get("routed_experts")
+    if meta is None:
+        return None
+    return decode_routed_experts(meta, len(r["prompt_ids"]) + len(r["output_ids"]) - 1)
+
+
 class _Context:
     """The :class:`AgentContext` of one rollout."""
 
@@ -155,7 +164,8 @@ class _Context:
                 "rid": f"{self._rid}-g{next(self._n)}"}
         out = await self._w.controller_call("/generate", body, timeout=self._w.spec.request_timeout_s)
         return [Completion(r["prompt_ids"], r["output_ids"], r["logprobs"], r["versions"], r["finish_reason"],
-                           info={"resubmits": r["resubmits"], "servers": r["servers"]}) for r in out]
+                           info={"resubmits": r["resubmits"], "servers": r["servers"]},
+                           routed_experts=_routed(r)) for r in out]
 
     async def score(self, reward: str, samples: Sequence[dict[str, Any]],
                     args: Optional[dict[str, Any]] = None) -> list[float]:
@@ -235,7 +245,8 @@ class RolloutWorker:
                 raise UpstreamError(e.status, str(e)) from None
             raise
         return [Completion(r["prompt_ids"], r["output_ids"], r["logprobs"], r["versions"], r["finish_reason"],
-                           info={"resubmits": r["resubmits"], "servers": r["servers"]}) for r in out]
+                           info={"resubmits": r["resubmits"], "servers": r["servers"]},
+                           routed_experts=_routed(r)) for r in out]
 
     def _load_rows(self) -> list:
         spec = self.spec  # tokenized exactly as the trainer's data sets are (one rendering: chat_render)

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 import aiohttp
 
+from realflow.api.routing import decode_routed_experts
 from realflow.rollout.gen_client import parse_prometheus
 
 __all__ = ["ServerState", "ServerPool", "NoServerError", "Completed"]
@@ -71,6 +72,9 @@ class Completed:
     finish_reason: str = "length"
     resubmits: int = 0
     servers: list[str] = field(default_factory=list)
+    #: MoE policy: numpy [len(prompt_ids) + len(output_ids) - 1, layers, topk] (realflow.api.routing);
+    #: after an interruption, the last answer's: it covers the whole sequence, prefix included
+    routed_experts: Any = None
 
 
 class ServerPool:
@@ -91,6 +95,10 @@ class ServerPool:
         #: and loaded by name at each weight update (realflow.weights.rounds)
         self.lora_name: Optional[str] = None
         self.lora_loaded = False  # until the first update the servers run the base: requests name no adapter
+        #: MoE policy (routing replay): (num_experts, topk) of the model. Set, every request asks for
+        #: the routed experts (SGLang returns them only when asked and only in a format that needs
+        #: topk to be read); None: none are asked for (the builtin server still returns them for MoE)
+        self.moe_routing: Optional[tuple[int, int]] = None
 
     async def start(self) -> None:
         # limit=0: as many connections as requests in flight (each waits for a whole generation)
@@ -244,6 +252,8 @@ class ServerPool:
                         "rid": f"{rid}-r{out.resubmits}"}
                 if self.lora_name is not None and self.lora_loaded:
                     body["lora_path"] = self.lora_name
+                if self.moe_routing is not None:
+                    body["return_routed_experts"] = True
                 res = await self.call(server, "/generate", body, timeout=self.request_timeout)
             except (aiohttp.ClientConnectionError, ConnectionError):
                 self.requests_failed_over += 1
@@ -259,6 +269,10 @@ class ServerPool:
             out.output_ids += ids
             out.logprobs += [float(lp[0]) for lp in meta["output_token_logprobs"]]
             out.versions += [int(v) for v in meta["output_token_weight_versions"]]
+            experts, topk = self.moe_routing or (None, None)
+            routed = decode_routed_experts(meta, len(out.prompt_ids) + len(out.output_ids) - 1, topk, experts)
+            if routed is not None and routed.shape[0]:  # an answer that ran nothing keeps the earlier record
+                out.routed_experts = routed
             out.servers.append(server.name)
             server.served += 1
             self.tokens_generated += len(ids)

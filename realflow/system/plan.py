@@ -183,9 +183,10 @@ def build_graph(setup: ExperimentSetup) -> DataFlowGraph:
     """The graph of ``setup``; its source keys are the data set's, or the trajectory stream's
     when the run is asynchronous (:data:`realflow.api.rollout.TRAJECTORY_KEYS` and versions)."""
     if setup.rollout is not None:
-        from realflow.api.rollout import TRAJECTORY_KEYS, VERSION_ADMIT, VERSION_NEWEST, VERSION_OLDEST
+        from realflow.api.rollout import (OPTIONAL_TRAJECTORY_KEYS, TRAJECTORY_KEYS, VERSION_ADMIT, VERSION_NEWEST,
+                                          VERSION_OLDEST)
 
-        keys = {*TRAJECTORY_KEYS, VERSION_ADMIT, VERSION_OLDEST, VERSION_NEWEST, "answer"}
+        keys = {*TRAJECTORY_KEYS, *OPTIONAL_TRAJECTORY_KEYS, VERSION_ADMIT, VERSION_OLDEST, VERSION_NEWEST, "answer"}
         return DataFlowGraph(setup.mfcs, dataset_keys=keys)
     from realflow.data.source import dataset_keys
 

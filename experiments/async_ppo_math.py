@@ -142,16 +142,17 @@ class _AsyncBase(_RLBase):
             raise ValueError("ppo.estimator=gae needs a critic, and an asynchronous run trains none "
                              "(use an outcome estimator: grpo | rloo | reinforce++)")
         lora = self.model.lora
+        planned = self.planned_actor_config()
         gcfg = AsyncPPOGraphConfig(
             batch_size=self.batch_size, use_ref=h.kl_coef > 0, ref_from_actor_base=lora.enabled,
+            routing_replay=self.routing_replay(actor, planned),
             inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             actor_args={**h.actor_args(), "seed": self.seed})
         mfcs = graph_registry.get("async_ppo")(gcfg)
-        planned = self.planned_actor_config()
         self._check_generator_len(actor, planned)
         models = {ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
-                                   expected_config=planned, lora=lora, training=self.training)}
+                                   expected_config=planned, lora=lora, training=self.training, moe=self.moe)}
         if gcfg.use_ref and not lora.enabled:
             models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok, expected_config=planned)
         data_args = self.data_args()

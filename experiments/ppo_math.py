@@ -9,6 +9,7 @@ so parameters are reallocated before every generation.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,7 +28,7 @@ from realflow.api.model_options import LoRAConfig
 from realflow.base.hf_models import describe_supported, resolve_checked_model, resolve_model_path
 from realflow.api.experiment import (BaseExperimentConfig, DatasetSpec, EvalSpec, ExperimentSetup,
                                      GroupFilterSpec, ModelSpec, OptimizerConfig, register_experiment)
-from realflow.api.model_options import TrainingMemoryConfig
+from realflow.api.model_options import MoEConfig, TrainingMemoryConfig
 
 SFT_TIMEOUT_S = 1800
 SUPPORTED_HELP = "Supported: " + describe_supported()
@@ -84,8 +85,23 @@ class _RLBase(BaseExperimentConfig):
                 "see the presets at the end of --help and docs/algorithms.md)"})
     training: TrainingMemoryConfig = field(default_factory=TrainingMemoryConfig, metadata={
         "help": "memory-for-time trades of the trained models (actor, critic)"})
+    moe: MoEConfig = field(default_factory=MoEConfig, metadata={
+        "help": "mixture-of-experts actor: rollout routing replay and the load-balancing loss"})
 
     PRESETS = presets()
+
+    def routing_replay(self, actor: str, planned: Optional[dict]) -> bool:
+        """Whether the actor's forward passes replay the generator's experts (R3): ``moe.routing_replay``,
+        where ``auto`` means on for a mixture-of-experts actor (a dense one is refused ``rollout``
+        when the layouts are checked)."""
+        mode = self.moe.routing_replay
+        if mode != "auto":
+            return mode == "rollout"
+        hf = planned or {}
+        if os.path.isfile(os.path.join(actor, "config.json")):
+            with open(os.path.join(actor, "config.json")) as f:
+                hf = json.load(f)
+        return bool(hf.get("num_experts") or hf.get("num_local_experts"))
     _graph = "grpo"
 
     def _sft_dir(self) -> str:
@@ -192,6 +208,7 @@ class _RLBase(BaseExperimentConfig):
         gcfg = PPOGraphConfig(
             batch_size=self.batch_size, n_samples=h.n_samples, use_critic=use_critic, use_ref=h.kl_coef > 0,
             ref_ema_eta=h.ref_ema_eta, ref_from_actor_base=lora.enabled,
+            routing_replay=self.routing_replay(actor, planned),
             gen_mb=MicroBatchSpec(), inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             actor_args={**h.actor_args(), "seed": self.seed},
@@ -201,7 +218,7 @@ class _RLBase(BaseExperimentConfig):
         mfcs = graph_registry.get(self._graph)(gcfg)
         models = {
             ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
-                             expected_config=planned, lora=lora, training=self.training),
+                             expected_config=planned, lora=lora, training=self.training, moe=self.moe),
             REWARD: ModelSpec(role=REWARD, path=tok, tokenizer_path=tok, backend="none"),
         }
         if gcfg.use_ref and not lora.enabled:

@@ -22,7 +22,8 @@ from typing import Any
 from graphs.ppo import ACTOR, ref_model
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import register_graph
-from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROX_LOGPROBS, REF_LOGPROBS, REWARDS
+from realflow.api.keys import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROX_LOGPROBS, REF_LOGPROBS, REWARDS,
+                               ROUTED_EXPERTS)
 from realflow.api.mfc import MFCDef, ModelInterfaceType
 
 
@@ -31,6 +32,9 @@ class AsyncPPOGraphConfig:
     batch_size: int  # rollouts per step (each a group of sequences)
     use_ref: bool = False
     ref_from_actor_base: bool = False  # LoRA actor: the reference is its base with adapters off
+    #: MoE actor, rollout routing replay: actor_inf (proximal) and actor_train route each token to the
+    #: experts the generation server chose (the trajectories carry them)
+    routing_replay: bool = False
     inf_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     train_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     actor_args: dict[str, Any] = field(default_factory=dict)
@@ -41,9 +45,10 @@ def build_async_ppo_graph(cfg: AsyncPPOGraphConfig) -> list[MFCDef]:
     """``actor_inf`` (proximal log-probs) -> ``actor_train`` (decoupled loss), optionally ``ref_inf``."""
     I, T = ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
     actor_args = dict(cfg.actor_args, decoupled=True)
-    train_in = [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, PROX_LOGPROBS]
+    replay = [ROUTED_EXPERTS] if cfg.routing_replay else []
+    train_in = [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, PROX_LOGPROBS, *replay]
     mfcs = [MFCDef(name="actor_inf", model_name=ACTOR, interface_type=I, interface_impl="ppo_actor",
-                   interface_args=actor_args, input_keys=(INPUT_IDS,), output_keys=(PROX_LOGPROBS,),
+                   interface_args=actor_args, input_keys=(INPUT_IDS, *replay), output_keys=(PROX_LOGPROBS,),
                    n_seqs=cfg.batch_size, mb_spec=cfg.inf_mb)]
     if cfg.use_ref:
         role, ref_args = ref_model(cfg.actor_args, cfg.ref_from_actor_base)

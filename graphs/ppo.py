@@ -26,7 +26,7 @@ from typing import Any
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import register_graph
 from realflow.api.keys import (ANSWER, INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROMPTS, REF_LOGPROBS,  # noqa: F401
-                               REWARDS, VALUES)
+                               REWARDS, ROUTED_EXPERTS, VALUES)
 from realflow.api.mfc import MFCDef, ModelInterfaceType, ParamReallocHook
 
 
@@ -44,6 +44,9 @@ class PPOGraphConfig:
     ref_ema_eta: float | None = None  # set: ref <- eta*actor + (1-eta)*ref after each actor update
     #: the actor trains LoRA adapters: the reference is the actor's base with adapters off (no REF model)
     ref_from_actor_base: bool = False
+    #: MoE actor, rollout routing replay: actor_gen emits the experts it chose per token and
+    #: actor_train routes every token to them (the critic and the reference route on their own)
+    routing_replay: bool = False
     gen_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     inf_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     train_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
@@ -76,9 +79,10 @@ def build_ppo_family(cfg: PPOGraphConfig) -> list[MFCDef]:
     G, I, T = ModelInterfaceType.GENERATE, ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
     actor_args = dict(cfg.actor_args, n_samples=cfg.n_samples)
     train_in = [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS]
+    replay = [ROUTED_EXPERTS] if cfg.routing_replay else []
     mfcs = [
         _mfc("actor_gen", ACTOR, G, "ppo_actor", actor_args, [PROMPTS],
-             [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS], cfg, cfg.gen_mb),
+             [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, *replay], cfg, cfg.gen_mb),
         _mfc("reward_inf", REWARD, I, "rule_reward", cfg.reward_args, [INPUT_IDS, PROMPT_MASK, ANSWER],
              [REWARDS], cfg, cfg.inf_mb),
     ]
@@ -93,7 +97,7 @@ def build_ppo_family(cfg: PPOGraphConfig) -> list[MFCDef]:
     hooks = []
     if cfg.use_ref and cfg.ref_ema_eta is not None:
         hooks.append(ParamReallocHook(source_role=ACTOR, target_role=REF, eta=cfg.ref_ema_eta))
-    mfcs.append(_mfc("actor_train", ACTOR, T, "ppo_actor", actor_args, train_in, [], cfg, cfg.train_mb,
+    mfcs.append(_mfc("actor_train", ACTOR, T, "ppo_actor", actor_args, train_in + replay, [], cfg, cfg.train_mb,
                      post_hooks=hooks, log_return_value=True))
     if cfg.use_critic:
         mfcs.append(_mfc("critic_train", CRITIC, T, "ppo_critic", cfg.critic_args, train_in, [], cfg,

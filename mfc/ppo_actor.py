@@ -146,6 +146,8 @@ class PPOActorInterface(ModelInterface):
                 raise ValueError(f"kl_in=loss needs '{REF_LOGPROBS}' (the reference model's logprobs) among "
                                  f"actor_train's inputs")
             extra["_ref_lp"] = batch.data[REF_LOGPROBS].float()
+        if ROUTED_EXPERTS in batch.data:  # MoE routing replay: the generator's experts per token
+            extra[ROUTED_EXPERTS] = batch.data[ROUTED_EXPERTS]
         up = run_ppo_updates(eng, batch, t, mb_spec, epochs=self.ppo.ppo_epochs, n_minibatches=self.ppo.n_minibatches,
                              seed=self.seed, step=self._step, micro_batch=self._micro_batch,
                              loss_fn=self._loss, weight_fn=self._weight, extra_keys=extra)
@@ -162,6 +164,8 @@ class PPOActorInterface(ModelInterface):
         # k3 KL(behaviour || trainer) on the first mini-batch: ~1e-12 when the reallocated generation
         # weights equal the training weights and both compute the same fp32 logprobs
         out["gen_train_kl"] = gen_kl
+        # MoE: load-balancing loss, expert load and (with replay) how often the trainer's router disagrees
+        out.update({k: v / n_updates for k, v in totals.items() if k.startswith("moe/")})
         if self.decoupled:  # how far behaviour and proximal policies were apart (the off-policy gap)
             w_sum, n_capped = eng.dp_sum([totals.get("behav_imp_weight_sum", 0.0),
                                           totals.get("behav_capped_tokens", 0.0)])
@@ -265,7 +269,10 @@ def logprobs_batch(model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec, 
     """Per-token logprobs of ``packed_input_ids`` under ``model`` at ``temperature`` (None on
     non-output ranks)."""
     lens = flat_seqlens(batch)
-    lp = model.module.logprobs(batch.data[INPUT_IDS], lens, mb_spec.max_tokens_per_mb, temperature=temperature)
+    kw = {}
+    if ROUTED_EXPERTS in batch.data:  # MoE routing replay (R3): the generator's experts per token
+        kw["routed_experts"] = batch.data[ROUTED_EXPERTS]
+    lp = model.module.logprobs(batch.data[INPUT_IDS], lens, mb_spec.max_tokens_per_mb, temperature=temperature, **kw)
     if lp is None:
         return None
     return SequenceBatch(list(batch.ids), {key: batch.seqlens[INPUT_IDS]}, {key: lp.float()})

@@ -23,7 +23,8 @@ from mfc.ppo_config import ESTIMATORS, AdvantageConfig, KLConfig  # noqa: F401  
 from mfc.ppo_functional import ppo_minibatches
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.engine import LossFn, TrainEngine
-from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REF_LOGPROBS, REWARDS, VALUES  # noqa: F401
+from realflow.api.keys import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REF_LOGPROBS, REWARDS,  # noqa: F401
+                               ROUTED_EXPERTS, VALUES)
 
 
 def overlong_punishment(resp_lens: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
@@ -208,7 +209,10 @@ def run_ppo_updates(engine: TrainEngine, batch: SequenceBatch, t: RLTensors, mb_
         mbs, ids = [], []
         for mb in mini.micro_batches(mb_spec):
             lens = flat_seqlens(mb)
-            mbs.append((mb.data[INPUT_IDS], lens, micro_batch(mb, lens)))
+            extra = micro_batch(mb, lens)
+            if ROUTED_EXPERTS in mb.data and isinstance(extra, dict):  # MoE routing replay, for the engine
+                extra[ROUTED_EXPERTS] = mb.data[ROUTED_EXPERTS]
+            mbs.append((mb.data[INPUT_IDS], lens, extra))
             ids.append(mb.ids)
         st = engine.train_batch(mbs, loss_fn, weight_fn, sample_ids=ids)
         first = first or dict(st)

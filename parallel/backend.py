@@ -54,7 +54,7 @@ class MegatronBackend:
                               attention=spec.backend_args.get("attention", "sdpa"),
                               critic=bool(spec.backend_args.get("critic", False)),
                               lora=lora_for_layout(spec, load_weights),
-                              training=getattr(spec, "training", None))
+                              training=getattr(spec, "training", None), moe=getattr(spec, "moe", None))
 
     # ---- parameter reallocation and offload (runtime hooks) ------------------------------------
 

@@ -86,9 +86,9 @@ def _layer_spec(arch: HFArch, use_te: bool, attention: str):
 def _with_realflow_router(spec: Any, experts: Optional[int]) -> Any:
     """MoE layers route with :class:`parallel.moe_router.RealflowRouter` (HF routing, replay)."""
     if experts is not None:
-        from parallel.moe_router import RealflowRouter
+        from parallel.moe_router import router_class
 
-        spec.submodules.mlp.submodules.router = RealflowRouter
+        spec.submodules.mlp.submodules.router = router_class()
     return spec
 
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import functools
+
 import torch
 
-from megatron.core.transformer.moe.router import TopKRouter
-
-__all__ = ["RealflowRouter", "RoutingContext", "RoutingTotals", "hf_aux_loss", "install_routing_context"]
+__all__ = ["router_class", "RoutingContext", "RoutingTotals", "hf_aux_loss", "install_routing_context"]
 
 
 @dataclass
@@ -94,40 +94,48 @@ def hf_aux_loss(counts: torch.Tensor, prob_sum: torch.Tensor, tokens: float, num
     return (counts / n * (prob_sum / n)).sum() * num_experts
 
 
-class RealflowRouter(TopKRouter):
-    """megatron's router module with HF routing, replay and statistics (module docstring)."""
+@functools.cache
+def router_class() -> type:
+    """``RealflowRouter``: megatron's ``TopKRouter`` with HF routing, replay and statistics (module
+    docstring).  Made on first use, so importing this module does not import megatron."""
+    from megatron.core.transformer.moe.router import TopKRouter
 
-    context: Optional[RoutingContext] = None
+    class RealflowRouter(TopKRouter):
+        """megatron's router module, routing as transformers does, with replay and statistics."""
 
-    def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):  # noqa: A002
-        logits = self.gating(input)
-        flat = logits.reshape(-1, self.config.num_moe_experts)
-        probs_all = torch.softmax(flat, dim=-1, dtype=torch.float32)
-        own = torch.topk(probs_all, self.topk, dim=-1).indices
-        ctx = self.context
-        chosen, replayed = own, None
-        layer = (self.layer_number or 1) - 1
-        if ctx is not None and layer in ctx.replay:
-            target = ctx.replay[layer].to(device=own.device, dtype=torch.long)
-            if target.shape != own.shape:
-                raise ValueError(f"routing replay for layer {layer}: experts of shape {tuple(target.shape)}, "
-                                 f"the router has {tuple(own.shape)} (tokens, top-k)")
-            replayed = target[:, 0] >= 0
-            chosen = torch.where(replayed[:, None], target, own)
-        weights = probs_all.gather(1, chosen)
-        norm = ctx.norm_topk_prob if ctx is not None else not self.config.moe_router_pre_softmax
-        if norm:
-            weights = weights / weights.sum(-1, keepdim=True)
-        probs = torch.zeros_like(probs_all).scatter(1, chosen, weights).to(logits.dtype)
-        routing_map = torch.zeros_like(probs_all, dtype=torch.bool).scatter(1, chosen, True)
-        if ctx is not None:
-            ctx.record(own, chosen, probs_all, replayed)
-        return probs, routing_map
+        context: Optional[RoutingContext] = None
+
+        def forward(self, input: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):  # noqa: A002
+            logits = self.gating(input)
+            flat = logits.reshape(-1, self.config.num_moe_experts)
+            probs_all = torch.softmax(flat, dim=-1, dtype=torch.float32)
+            own = torch.topk(probs_all, self.topk, dim=-1).indices
+            ctx = self.context
+            chosen, replayed = own, None
+            layer = (self.layer_number or 1) - 1
+            if ctx is not None and layer in ctx.replay:
+                target = ctx.replay[layer].to(device=own.device, dtype=torch.long)
+                if target.shape != own.shape:
+                    raise ValueError(f"routing replay for layer {layer}: experts of shape {tuple(target.shape)}, "
+                                     f"the router has {tuple(own.shape)} (tokens, top-k)")
+                replayed = target[:, 0] >= 0
+                chosen = torch.where(replayed[:, None], target, own)
+            weights = probs_all.gather(1, chosen)
+            norm = ctx.norm_topk_prob if ctx is not None else not self.config.moe_router_pre_softmax
+            if norm:
+                weights = weights / weights.sum(-1, keepdim=True)
+            probs = torch.zeros_like(probs_all).scatter(1, chosen, weights).to(logits.dtype)
+            routing_map = torch.zeros_like(probs_all, dtype=torch.bool).scatter(1, chosen, True)
+            if ctx is not None:
+                ctx.record(own, chosen, probs_all, replayed)
+            return probs, routing_map
+
+    return RealflowRouter
 
 
 def install_routing_context(model: torch.nn.Module, norm_topk_prob: bool) -> Optional[RoutingContext]:
-    """One :class:`RoutingContext` shared by every :class:`RealflowRouter` of ``model`` (None: dense)."""
-    routers = [m for m in model.modules() if isinstance(m, RealflowRouter)]
+    """One :class:`RoutingContext` shared by every ``RealflowRouter`` of ``model`` (None: dense)."""
+    routers = [m for m in model.modules() if isinstance(m, router_class())]
     if not routers:
         return None
     cfg: Any = routers[0].config

@@ -24,11 +24,10 @@ import torch.distributed as dist
 
 from parallel.moe_router import RoutingContext, hf_aux_loss
 from parallel.packing import PaddedBatch
+from realflow.api.keys import ROUTED_EXPERTS
 
 __all__ = ["MoEStep", "ROUTED_EXPERTS"]
 
-#: the key of the generator's expert choices, per token ``[tokens, layers, k]`` (-1: none)
-ROUTED_EXPERTS = "routed_experts"
 
 
 class _AddAuxGradient(torch.autograd.Function):

@@ -117,8 +117,10 @@ class TrainEngine(Protocol):
         ...
 
     def logprobs(self, input_ids: torch.Tensor, seqlens: list[int], max_tokens_per_mb: Optional[int] = None, *,
-                 temperature: float = 1.0, with_entropy: bool = False) -> Any:
-        """Packed ``log p(next token)`` per position (0 at each sequence's last), or ``(logprobs, entropy)``."""
+                 temperature: float = 1.0, with_entropy: bool = False,
+                 routed_experts: Optional[torch.Tensor] = None) -> Any:
+        """Packed ``log p(next token)`` per position (0 at each sequence's last), or ``(logprobs, entropy)``;
+        an MoE model routes each token to ``routed_experts`` (``[tokens, layers, k]``, routing replay) when given."""
         ...
 
     def values(self, input_ids: torch.Tensor, seqlens: list[int],

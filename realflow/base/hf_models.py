@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2ForTokenClassification": "qwen2",
     "Qwen3ForTokenClassification": "qwen3",
     "LlamaForTokenClassification": "llama",
@@ -51,6 +52,7 @@ _FAMILY_NAMES: tuple[tuple[str, str], ...] = (
     ("Qwen2/Qwen2.5", "Qwen2ForCausalLM"),
     ("Qwen3", "Qwen3ForCausalLM"),
     ("Llama 3.x", "LlamaForCausalLM"),
+    ("Qwen3-MoE", "Qwen3MoeForCausalLM"),
 )
 _PATH_PREFIXES = ("/", ".", "~")
 

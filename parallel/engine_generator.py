@@ -39,6 +39,10 @@ def colocated_generator(engine: Any, context: int, *, version: int, tokenizer: A
             from parallel.engine_lora import refresh_merged
 
             refresh_merged(engine)  # the generator samples from W + (alpha/r) B A
+        from parallel.engine_experts import needs_expert_gather, refresh_gathered_experts
+
+        if needs_expert_gather(engine):
+            refresh_gathered_experts(engine)  # every expert on every rank (collective over ep)
         gen.weights_updated(version)
     return gen
 

@@ -53,9 +53,13 @@ class EngineHFMixin:
         return self.lora.disabled()
 
     def generation_weights(self) -> dict[str, torch.Tensor]:
-        """Megatron-named tensors a colocated generator samples from (LoRA: merged weights)."""
+        """Megatron-named tensors a colocated generator samples from (LoRA: merged weights; expert
+        parallelism: every expert, gathered, see :mod:`parallel.engine_experts`)."""
         if self.lora is None:
-            return dict(self.module.named_parameters())
+            weights = dict(self.module.named_parameters())
+            from parallel.engine_experts import gathered_expert_weights, needs_expert_gather
+
+            return gathered_expert_weights(self, weights) if needs_expert_gather(self) else weights
         from parallel.engine_lora import generation_weights
 
         return generation_weights(self)

@@ -217,10 +217,47 @@ def test_gen_server_and_pool_carry_routing_into_the_trajectory_batch(moe, engine
 
 
 def test_tp2_megatron_experts_equal_transformers_and_the_sync_mfc_emits_routing():
-    res = run_cases([f"{MODULE}:case_tp2"], world_size=2, timeout=300,
+    res = run_cases([f"{MODULE}:case_tp2", f"{MODULE}:case_expert_parallel"], world_size=2, timeout=300,
                     pythonpath=[os.path.dirname(os.path.abspath(__file__))])
     assert res["case_tp2"].ok, res["case_tp2"].error
     assert res["case_tp2"].data[0] == res["case_tp2"].data[1]
+    assert res["case_expert_parallel"].ok, res["case_expert_parallel"].error
+
+
+def case_expert_parallel(ctx):
+    """An expert-parallel trainer (d2e2: each rank half the experts; d1t2e2: the tp ranks) gives
+    its colocated generator every expert (gathered over ep, split over tp): greedy == transformers,
+    and after the experts change in place a new weight version reaches the generator."""
+    import torch.distributed as dist
+
+    from parallel.engine import MegatronEngine
+    from parallel.groups import build_model_groups
+    from realflow.api.allocation import parse_strategy
+
+    path = os.path.join(ctx.tmpdir, "r0")
+    cfg, model = make_tiny_hf(os.path.join(ctx.tmpdir, f"ep{ctx.rank}"), family="qwen3_moe", seed=3)
+    dist.barrier()
+    prompts = PROMPTS[:3]
+    for layout in ("d2e2", "d1t2e2"):
+        s = parse_strategy(layout)
+        meg = MegatronEngine(cfg, build_model_groups([0, 1], s), path, optimizer_config=None)
+        gen = meg.generator(64, version=0, max_running=8)
+        for p, r in zip(prompts, gen.generate(prompts, greedy(6))):
+            assert r.output_ids == hf_greedy(model, p, 6), layout
+            check_routing(model, p, r.output_ids, r.routed_experts)
+        with torch.no_grad():  # the trainer's experts move: zero them on every rank
+            for n, prm in meg.module.named_parameters():
+                if ".local_experts." in n:
+                    prm.zero_()
+        gen = meg.generator(64, version=1, max_running=8)
+        hidden_zero = [r.output_ids for r in gen.generate(prompts, greedy(6))]
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.zero_()
+                layer.mlp.experts.down_proj.zero_()
+        assert hidden_zero == [hf_greedy(model, p, 6) for p in prompts], layout
+        model = make_tiny_hf(os.path.join(ctx.tmpdir, f"ep{ctx.rank}b"), family="qwen3_moe", seed=3)[1]
+    return None
 
 
 class _NoTokenizer:

@@ -76,6 +76,11 @@ class MoEStep:
             b, n = pb.valid.shape
             padded = torch.full((b, n, *routes.shape[1:]), -1, dtype=torch.long, device=pb.valid.device)
             padded[pb.valid] = routes.to(device=pb.valid.device, dtype=torch.long)
+            # each sequence's last token never ran as the generator's input: its row is a filler,
+            # so it routes on its own (it feeds no prediction, and the statistics skip it)
+            lengths = pb.valid.sum(1)
+            rows = torch.nonzero(lengths > 0).flatten()
+            padded[rows, lengths[rows] - 1] = -1
             ordered = _router_order(padded, s.tp, self.groups.tp_rank, self.sp)  # [T, L, k]
             replay = {layer: ordered[:, layer] for layer in range(ordered.shape[1])}
         want_grad = training and self.aux_coef > 0 and self.aux_scale_of is not None

@@ -76,14 +76,32 @@ def _check_shapes(config: dict, shapes: dict[str, tuple[list[int], str]], cfg_pa
     except (KeyError, TypeError, ValueError) as e:
         raise PreflightError(f"{what}: {cfg_path}: field {e} missing or not an integer") from None
     expect("embed_tokens.weight", [vocab, hidden], f"vocab_size={vocab}, hidden_size={hidden}")
-    expect("mlp.up_proj.weight", [ffn, hidden], f"intermediate_size={ffn}, hidden_size={hidden}")
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if experts:
+        _check_experts(config, shapes, cfg_path, what, experts, hidden, expect)
+    else:
+        expect("mlp.up_proj.weight", [ffn, hidden], f"intermediate_size={ffn}, hidden_size={hidden}")
     found = {int(m.group(1)) for m in (_LAYER.search(k) for k in shapes) if m}
     if found and found != set(range(layers)):
         raise PreflightError(f"{what}: the weights hold layers {min(found)}..{max(found)} ({len(found)} layers), "
                              f"but {cfg_path} says num_hidden_layers={layers}")
 
 
+def _check_experts(config: dict, shapes: dict, cfg_path: str, what: str, experts: int, hidden: int,
+                   expect) -> None:
+    """A mixture-of-experts checkpoint holds ``num_experts`` experts per layer and a router of as
+    many rows (HF's per-expert names, as ``save_pretrained`` writes them)."""
+    held = {int(m.group(1)) for m in (_EXPERT.search(k) for k in shapes) if m}
+    if held and held != set(range(experts)):
+        raise PreflightError(f"{what}: the weights hold experts {min(held)}..{max(held)} ({len(held)} per layer), "
+                             f"but {cfg_path} says num_experts={experts}")
+    expect("mlp.gate.weight", [experts, hidden], f"num_experts={experts}, hidden_size={hidden}")
+    ffn = int(config.get("moe_intermediate_size") or 0)
+    expect("up_proj.weight", [ffn, hidden], f"moe_intermediate_size={ffn}, hidden_size={hidden}")
+
+
 _LAYER = re.compile(r"\blayers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")

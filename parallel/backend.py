@@ -260,11 +260,17 @@ def estimate_rank_bytes(cfg: dict[str, Any], strategy: ParallelStrategy, trained
     heads = int(cfg["num_attention_heads"])
     kv = int(cfg.get("num_key_value_heads") or heads)
     hd = arch.head_dim
-    split = (heads + 2 * kv) * hd * h + heads * hd * h + 3 * ffn * h  # qkv, proj, fc1 [gate; up], fc2
+    split = (heads + 2 * kv) * hd * h + heads * hd * h  # qkv, proj
+    if arch.moe is None:
+        split += 3 * ffn * h  # fc1 [gate; up], fc2
     if arch.qkv_bias:
         split += (heads + 2 * kv) * hd
     replicated = 2 * h + (2 * hd if arch.qk_norm else 0)  # the two RMSNorms (+ q/k norms)
     per_layer = -(-split // tp) + replicated
+    if arch.moe is not None:  # router (replicated) + this rank's experts (whole, or split over tp)
+        m = arch.moe
+        experts = 3 * m.ffn * h * m.num_experts // strategy.ep
+        per_layer += m.num_experts * h + (experts if strategy.ep > 1 else -(-experts // tp))
     stage_layers = -(-int(cfg["num_hidden_layers"]) // pp) * per_layer
     vocab_shard = arch.padded_vocab_size * h // tp
     output = 0 if arch.tie_word_embeddings and pp == 1 else vocab_shard

@@ -87,15 +87,17 @@ def test_sync_grpo_on_moe_replays_the_generators_experts_and_learns(fileroot):
 
 @pytest.mark.timeout(600)
 def test_async_grpo_on_moe_carries_experts_from_the_server_and_learns(fileroot):
-    steps = 20
+    steps = 24
     res = _run("realflow.apps.main_async_ppo", fileroot, "dataset.task=arithmetic", "ppo.max_new_tokens=16",
                "dataset.n_test=32", "eval_n_samples=2", "dataset.n_train=4000", f"max_train_steps={steps}",
-               "batch_size=16", "reward=arithmetic_consistency", "actor_optimizer.lr=1e-3", "seed=3",
-               "trial_name=amoe")
+               "batch_size=16", "reward=arithmetic_consistency", "actor_optimizer.lr=5e-4", "ppo.n_minibatches=1",
+               "seed=3", "trial_name=amoe")
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _rows(fileroot / "async-grpo-math" / "amoe")
     _check_learned_with_replay(rows, steps)
     assert abs(rows[0]["actor_train/behav_imp_weight"] - 1.0) < 1e-4, rows[0]["actor_train/behav_imp_weight"]
-    # off-policy data: the trainer's router has moved since the server chose; replay covers it
+    # the first step trains on data the server made with the same weights: the routers agree; later,
+    # off-policy data (the trainer's router has moved since the server chose): replay covers the drift
+    assert rows[0]["actor_train/moe/replay_mismatch"] < 0.02, rows[0]["actor_train/moe/replay_mismatch"]
     assert max(r["actor_train/moe/replay_mismatch"] for r in rows) > 0.01
     assert not _left_behind(fileroot)

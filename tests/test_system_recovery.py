@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import copy_sft_start
 from safetensors.torch import load_file
 
 from realflow.base.fault_injection import ENV as FAULT_ENV

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import copy_sft_start
 from safetensors.torch import load_file
 
 from realflow.base.fault_injection import ENV as FAULT_ENV
@@ -110,6 +111,16 @@ def sft_reference(tmp_path_factory) -> Path:
     return root / "sft" / "trial0" / "checkpoints" / "default" / "final"
 
 
+@pytest.fixture(scope="module")
+def tiny_start(tmp_path_factory) -> Path:
+    """A short SFT run (8 steps) whose checkpoint and data start the PPO and asynchronous runs
+    below: trained once for the module, copied into each test's root (``copy_sft_start``)."""
+    root = tmp_path_factory.mktemp("tiny_start")
+    res = _run(SFT, root, "max_train_steps=8", "recover_mode=off", "dataset.n_test=8")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return root
+
+
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("victim", ["model_worker/1"])  # (the master: see the truncated-point test)
 def test_sft_killed_mid_run_resumes_bit_identical(tmp_path, sft_reference, victim):
@@ -181,9 +192,8 @@ def test_master_killed_then_points_refused_for_another_run_and_truncated_point_s
 
 
 @pytest.mark.timeout(600)
-def test_ppo_with_critic_and_reference_killed_mid_step_resumes_bit_identical(tmp_path):
-    sft = _run(SFT, tmp_path, "max_train_steps=8", "recover_mode=off")  # the PPO start, where ppo-math finds it
-    assert sft.returncode == 0, sft.stderr[-3000:]
+def test_ppo_with_critic_and_reference_killed_mid_step_resumes_bit_identical(tmp_path, tiny_start):
+    copy_sft_start(tiny_start, tmp_path)  # the PPO start, where ppo-math finds it
     ref = _run(PPO, tmp_path, "trial_name=reference", "recover_mode=off")
     assert ref.returncode == 0, ref.stderr[-3000:]
     run_dir = tmp_path / "ppo-math" / "trial0"
@@ -202,12 +212,9 @@ ASYNC = ["realflow.apps.main_async_ppo", "dataset.task=arithmetic", "ppo.max_new
 
 
 @pytest.fixture(scope="module")
-def async_root(tmp_path_factory) -> Path:
-    """A short SFT start where the asynchronous experiment finds it."""
-    root = tmp_path_factory.mktemp("async")
-    res = _run(SFT, root, "max_train_steps=8", "recover_mode=off", "dataset.n_test=8")
-    assert res.returncode == 0, res.stderr[-3000:]
-    return root
+def async_root(tmp_path_factory, tiny_start) -> Path:
+    """The short SFT start where the asynchronous experiment finds it."""
+    return copy_sft_start(tiny_start, tmp_path_factory.mktemp("async"))
 
 
 @pytest.mark.timeout(500)

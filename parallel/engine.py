@@ -53,7 +53,7 @@ from parallel.lora import LoRAModel, attach_lora
 from parallel.mcore_globals import seed_megatron_rng
 from parallel.model import build_gpt_model
 from parallel.model_config import recompute_overrides
-from parallel.moe_step import ROUTED_EXPERTS, build_moe_step
+from parallel.moe_step import build_moe_step
 from parallel.nonfinite import (
     NonFiniteError,
     NonFinitePolicy,
@@ -75,6 +75,7 @@ from parallel.pipeline import (
 from parallel.packing import check_packed
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.engine import BatchGenerator, LossFn, MicroBatches
+from realflow.api.keys import ROUTED_EXPERTS
 from realflow.api.model_options import LoRAConfig, MoEConfig, TrainingMemoryConfig
 from realflow.api.padded_partition import padded_partition
 from realflow.base.devices import to_device, to_host

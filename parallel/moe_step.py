@@ -24,9 +24,8 @@ import torch.distributed as dist
 
 from parallel.moe_router import RoutingContext, hf_aux_loss
 from parallel.packing import PaddedBatch
-from realflow.api.keys import ROUTED_EXPERTS
 
-__all__ = ["MoEStep", "ROUTED_EXPERTS"]
+__all__ = ["MoEStep", "build_moe_step"]
 
 
 

@@ -41,6 +41,7 @@ setup(
         "pyarrow>=14",  # parquet data sets
         "pyyaml>=6",  # --config files and the run's config.yaml
         "huggingface_hub>=0.24",  # hub ids resolved through the local HF cache
+        "pillow>=10",  # images of vision-language data sets (through transformers' image processor)
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]"],

@@ -70,7 +70,9 @@ class ValueHead(torch.nn.Module):
 
 def critic_head_table(hf_config: Any, arch: HFArch) -> list[ParamMapping]:
     """Mapping rows of the value head (appended to the trunk rows of ``param_table``)."""
-    hidden = int(hf_config["hidden_size"] if isinstance(hf_config, dict) else hf_config.hidden_size)
+    from parallel.model_config import config_value
+
+    hidden = int(config_value(hf_config, "hidden_size"))
     rows = [ParamMapping("output_layer.score.weight", ("score.weight",), ((1, hidden),), "copy",
                          None)]
     if has_value_bias(hf_config):

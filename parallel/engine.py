@@ -73,8 +73,10 @@ from parallel.pipeline import (
     split_packed,
 )
 from parallel.packing import check_packed
+from parallel.vision_step import VisionStep
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.engine import BatchGenerator, LossFn, MicroBatches
+from realflow.api.images import IMAGES_EXTRA
 from realflow.api.keys import ROUTED_EXPERTS
 from realflow.api.model_options import LoRAConfig, MoEConfig, TrainingMemoryConfig
 from realflow.api.padded_partition import padded_partition
@@ -115,11 +117,13 @@ class MegatronEngine(EngineHFMixin):
         lora: Optional[LoRAConfig] = None,
         training: Optional[TrainingMemoryConfig] = None,
         moe: Optional[MoEConfig] = None,
+        freeze_vision: bool = False,
     ) -> None:
         """``training``: activation recompute and optimizer offload (``training.*``, see
         :class:`realflow.api.model_options.TrainingMemoryConfig`); ``config_overrides`` win over
         the recompute fields it sets.  ``moe``: routing replay and the load-balancing loss of an
-        MoE model (:class:`realflow.api.model_options.MoEConfig`)."""
+        MoE model (:class:`realflow.api.model_options.MoEConfig`).  ``freeze_vision``: a
+        vision-language model's tower is not trained (no gradients, no optimizer state)."""
         if not groups.is_member:
             raise ValueError(f"MegatronEngine: this rank is not one of the model ranks {groups.ranks}")
         apply_cpu_compat()
@@ -146,6 +150,8 @@ class MegatronEngine(EngineHFMixin):
             self.lora = attach_lora(self.module, lora, self.hf_config, self.arch, groups, seed)
         if init_checkpoint:
             self._load(init_checkpoint)
+        if freeze_vision and getattr(self.module, "visual", None) is not None:
+            self.module.visual.requires_grad_(False)
         if self.lora is not None and lora.path:
             load_adapter(self, lora.path)
         self.optimizer_config = optimizer_config
@@ -155,7 +161,9 @@ class MegatronEngine(EngineHFMixin):
         if optimizer_config is not None:
             self._setup_training(optimizer_config)
         self.moe_step = build_moe_step(self.module, self.arch, groups, self.config, self.hf_config, moe)
-        self._runner = ScheduleRunner(groups, self.config, self.moe_step)
+        self.vision_step = None if self.arch.vision is None else \
+            VisionStep(self.module, self.arch.vision, bool(self.config.sequence_parallel), groups.tp_group)
+        self._runner = ScheduleRunner(groups, self.config, self.moe_step, self.vision_step)
         self._generator: Optional[Any] = None  # parallel.generation.GenerationEngine, built by generator()
 
     # ------------------------------------------------------------------ setup
@@ -222,11 +230,11 @@ class MegatronEngine(EngineHFMixin):
 
     @torch.no_grad()
     def _infer(self, input_ids: torch.Tensor, seqlens: list[int], max_tokens_per_mb: Optional[int],
-               fn: Callable[[TokenOutputs, MicroBatch], Any], routes: Optional[torch.Tensor] = None
-               ) -> list[Any]:
+               fn: Callable[[TokenOutputs, MicroBatch], Any], routes: Optional[torch.Tensor] = None,
+               images: Optional[list[Any]] = None) -> list[Any]:
         """Forward-only schedule over contiguous micro-batches; ``fn`` per micro-batch on the
         last stage ([] elsewhere)."""
-        mbs = split_packed(input_ids, seqlens, max_tokens_per_mb, routes)
+        mbs = split_packed(input_ids, seqlens, max_tokens_per_mb, routes, images)
         self.model.eval()
         return self._runner.run(self.model, mbs,
                                 lambda mb, valid, out: fn(self._token_outputs(valid, out), mb),
@@ -234,7 +242,8 @@ class MegatronEngine(EngineHFMixin):
 
     @torch.no_grad()
     def _infer_tokens(self, input_ids: torch.Tensor, seqlens: list[int], max_tokens_per_mb: Optional[int],
-                      fn: Callable[[TokenOutputs, MicroBatch], Any], routes: Optional[torch.Tensor] = None) -> Any:
+                      fn: Callable[[TokenOutputs, MicroBatch], Any], routes: Optional[torch.Tensor] = None,
+                      images: Optional[list[Any]] = None) -> Any:
         """Forward-only, ``fn`` returning per-token tensors (or a tuple of them): the packed
         result in the input's order, on output ranks (None elsewhere).
 
@@ -246,13 +255,14 @@ class MegatronEngine(EngineHFMixin):
         parts = [list(range(len(seqlens)))] if max_tokens_per_mb is None or not seqlens else \
             padded_partition([[n] for n in seqlens], 1, max_tokens_per_mb)
         if len(parts) == 1:
-            return self._packed_result(self._infer(input_ids, seqlens, None, fn, routes))
+            return self._packed_result(self._infer(input_ids, seqlens, None, fn, routes, images))
         check_packed(input_ids, seqlens)
         offs = [0]
         for n in seqlens:
             offs.append(offs[-1] + n)
         mbs = [MicroBatch(torch.cat([input_ids[offs[i]:offs[i + 1]] for i in p]), [seqlens[i] for i in p],
-                          routes=None if routes is None else torch.cat([routes[offs[i]:offs[i + 1]] for i in p]))
+                          routes=None if routes is None else torch.cat([routes[offs[i]:offs[i + 1]] for i in p]),
+                          images=None if images is None else [images[i] for i in p])
                for p in parts]
         self.model.eval()
         outs = self._runner.run(self.model, mbs, lambda mb, valid, out: fn(self._token_outputs(valid, out), mb),
@@ -293,16 +303,32 @@ class MegatronEngine(EngineHFMixin):
 
     def forward(self, input_ids: torch.Tensor, seqlens: list[int],
                 max_tokens_per_mb: Optional[int] = None, *,
-                routed_experts: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                routed_experts: Optional[torch.Tensor] = None,
+                images: Optional[list[Any]] = None) -> Optional[torch.Tensor]:
         """Packed fp32 logits ``[sum(seqlens), vocab_size]`` (HF vocab) on output ranks.
 
         Gathers the full vocabulary over tp: for log-probs use :meth:`logprobs`.
-        A critic returns its values ``[sum(seqlens), 1]``.  ``routed_experts``: see :meth:`logprobs`.
+        A critic returns its values ``[sum(seqlens), 1]``.  ``routed_experts``, ``images``: see
+        :meth:`logprobs`.
         """
         def fn(out: TokenOutputs, mb: MicroBatch) -> torch.Tensor:
             return out.values()[:, None] if self.critic else out.logits()
 
-        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn, self._routes(routed_experts))
+        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn, self._routes(routed_experts),
+                                  self._images(images, seqlens))
+
+    def _images(self, images: Optional[list[Any]], seqlens: list[int]) -> Optional[list[Any]]:
+        """Per-sequence images of a VL model (checked); images given to a text-only model are refused."""
+        if images is None:
+            return None
+        if self.vision_step is None:
+            if any(img is not None and img.num_images for img in images):
+                raise ValueError(f"images given to a text-only model (model_type={self.arch.model_type!r}); "
+                                 f"use a vision-language model such as Qwen2.5-VL")
+            return None
+        if len(images) != len(seqlens):
+            raise ValueError(f"images: {len(images)} entries for {len(seqlens)} sequences")
+        return list(images)
 
     def _routes(self, routed_experts: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Replayed experts for an MoE model with replay on (else ignored: a dense model has none)."""
@@ -312,7 +338,8 @@ class MegatronEngine(EngineHFMixin):
 
     def logprobs(self, input_ids: torch.Tensor, seqlens: list[int],
                  max_tokens_per_mb: Optional[int] = None, *, temperature: float = 1.0,
-                 with_entropy: bool = False, routed_experts: Optional[torch.Tensor] = None) -> Any:
+                 with_entropy: bool = False, routed_experts: Optional[torch.Tensor] = None,
+                 images: Optional[list[Any]] = None) -> Any:
         """Log-prob of each next token, packed fp32 ``[sum(seqlens)]``, on output ranks.
 
         ``out[t] = log p(input_ids[t + 1] | input_ids[..t])`` within each sequence; the
@@ -322,6 +349,8 @@ class MegatronEngine(EngineHFMixin):
         position.  Logits are divided by ``temperature`` first.  ``routed_experts`` (MoE,
         routing replay): packed ``[sum(seqlens), layers, k]`` expert ids the generator chose per
         token (``-1`` rows: the router's own choice), used instead of the router's top-k.
+        ``images`` (VL models): one :class:`realflow.api.images.ImageInputs` (or None) per
+        sequence, whose placeholders (already expanded) in ``input_ids`` get the tower's features.
         """
         if self.critic:
             raise TypeError("logprobs() on a critic engine (use values())")
@@ -333,14 +362,17 @@ class MegatronEngine(EngineHFMixin):
             lp = torch.where(valid, lp, torch.zeros_like(lp))
             return (lp, ent) if with_entropy else lp
 
-        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn, self._routes(routed_experts))
+        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn, self._routes(routed_experts),
+                                  self._images(images, seqlens))
 
     def values(self, input_ids: torch.Tensor, seqlens: list[int],
-               max_tokens_per_mb: Optional[int] = None) -> Optional[torch.Tensor]:
+               max_tokens_per_mb: Optional[int] = None, *,
+               images: Optional[list[Any]] = None) -> Optional[torch.Tensor]:
         """Critic values per token, packed fp32 ``[sum(seqlens)]``, on output ranks."""
         if not self.critic:
             raise TypeError("values() on an LM engine (build it with critic=True)")
-        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, lambda out, mb: out.values())
+        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, lambda out, mb: out.values(),
+                                  images=self._images(images, seqlens))
 
     @torch.no_grad()
     def greedy_generate(self, prompts: list[list[int]], max_new_tokens: int,
@@ -405,7 +437,8 @@ class MegatronEngine(EngineHFMixin):
         """One optimizer step over this dp replica's micro-batches (see module docstring).
 
         ``micro_batches``: ``(packed input_ids, seqlens, extra)`` each, the same on
-        every tp/pp rank of the replica.  ``loss_fn(outputs, extra)`` gets a
+        every tp/pp rank of the replica (a VL model's ``extra["images"]``: one ImageInputs or
+        None per sequence, as :meth:`logprobs` takes them).  ``loss_fn(outputs, extra)`` gets a
         :class:`TokenOutputs` of the micro-batch's real tokens (packed order:
         ``outputs.logprobs(targets)``, ``.entropy()``, ``.values()``, ...) and returns
         ``(loss SUM as a scalar tensor, stats)``; it runs on the last pipeline stage
@@ -435,8 +468,11 @@ class MegatronEngine(EngineHFMixin):
                 check_packed(ids, lens, what=f"micro_batches[{i}].input_ids")
                 weights.append(float(loss_weight_fn(extra)))
                 routes = extra.get(ROUTED_EXPERTS) if isinstance(extra, dict) else None
+                images = extra.get(IMAGES_EXTRA) if isinstance(extra, dict) else None
+                if images is not None:  # host-side inputs of the forward, not tensors of the loss
+                    extra = {k: v for k, v in extra.items() if k != IMAGES_EXTRA}
                 mbs.append(MicroBatch(ids, lens, to_device(extra, self.device),  # once, not per use
-                                      routes=self._routes(routes)))
+                                      routes=self._routes(routes), images=self._images(images, lens)))
         except (ValueError, TypeError) as e:
             problem = str(e)
         problem = self._check_replica_agrees(mbs, problem)

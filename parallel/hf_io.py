@@ -45,6 +45,7 @@ __all__ = [
     "save_hf_checkpoint",
     "gather_hf_state",
     "read_hf_tensors",
+    "vision_rows",
 ]
 
 # TransformerEngine spec fuses the pre-attention / pre-MLP norms into the next linear.
@@ -88,8 +89,10 @@ class ParamMapping:
 
 def param_table(hf_config: Any, arch: HFArch) -> list[ParamMapping]:
     """Mapping table for the whole model (global layer indices, tp = 1 shapes)."""
-    g = (lambda k, d=None: getattr(hf_config, k, d)) if not isinstance(hf_config, dict) \
-        else hf_config.get
+    from parallel.model_config import _get
+
+    def g(k: str, d: Any = None) -> Any:
+        return _get(hf_config, k, d)
     hidden, inter = int(g("hidden_size")), int(g("intermediate_size"))
     nh = int(g("num_attention_heads"))
     ng = int(g("num_key_value_heads") or nh)
@@ -130,7 +133,20 @@ def param_table(hf_config: Any, arch: HFArch) -> list[ParamMapping]:
     if not arch.tie_word_embeddings:
         table.append(ParamMapping("output_layer.weight", ("lm_head.weight",),
                                   ((arch.vocab_size, hidden),), "vocab", 0))
+    if arch.vision is not None:
+        table.extend(vision_rows(hf_config))
     return table
+
+
+def vision_rows(hf_config: Any) -> list[ParamMapping]:
+    """The vision tower's parameters: replicated (no tp split), held by the first pipeline stage,
+    under HF's own names (``visual.*``: the tower is transformers' module, see parallel/vision.py)."""
+    from parallel.vision import VISION_PREFIX, build_vision_tower
+
+    with torch.device("meta"):
+        tower = build_vision_tower(hf_config)
+    return [ParamMapping(VISION_PREFIX + n, (VISION_PREFIX + n,), (tuple(p.shape),), "copy", None)
+            for n, p in tower.named_parameters()]
 
 
 def moe_rows(arch: HFArch, hidden: int, layer: int) -> list[ParamMapping]:
@@ -336,7 +352,9 @@ def gather_hf_state(model: torch.nn.Module, hf_config: Any, arch: HFArch,
         table = model_param_table(hf_config, arch, critic=True)
     else:
         table = param_table(hf_config, arch)
-    ng = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+    from parallel.model_config import _get
+
+    ng = int(_get(hf_config, "num_key_value_heads", None) or _get(hf_config, "num_attention_heads"))
     params = _named_params(model)
     out: dict[str, torch.Tensor] = {}
     for e, pname in local_param_table(model, table):

@@ -45,7 +45,9 @@ __all__ = ["model_param_table", "check_layout", "read_tp_slice", "HFLoadPlan", "
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+    from parallel.model_config import config_value
+
+    return config_value(cfg, key, default)
 
 
 def _num_query_groups(hf_config: Any) -> int:
@@ -96,7 +98,7 @@ def owner_stage(entry: ParamMapping, num_layers: int, pp: int) -> int:
     """Pipeline stage that holds (and saves) ``entry``: layers split evenly."""
     if entry.layer is not None:
         return entry.layer // (num_layers // pp)
-    return 0 if entry.mcore_name.startswith("embedding.") else pp - 1
+    return 0 if entry.mcore_name.startswith(("embedding.", "visual.")) else pp - 1
 
 
 # --------------------------------------------------------------------------- load

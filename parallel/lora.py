@@ -59,7 +59,9 @@ _FUSED_PARTS = {"self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+    from parallel.model_config import config_value
+
+    return config_value(cfg, key, default)
 
 
 def _base_shapes(hf_config: Any, arch: HFArch) -> dict[str, tuple[int, int]]:

@@ -19,6 +19,7 @@ from parallel.hf_layout import check_layout
 from parallel.mcore_globals import ensure_megatron_globals
 from parallel.model_config import HFArch, hf_arch, rope_inv_freq, transformer_config_from_hf
 from parallel.model_config import moe_arch as arch_moe
+from parallel.vision import build_vision_tower
 
 __all__ = ["build_gpt_model", "te_available"]
 
@@ -152,13 +153,20 @@ def build_gpt_model(
         post_process=groups.is_last_stage,
         parallel_output=True,  # logits stay vocab-sharded across tp; gathered by the engine
         share_embeddings_and_output_weights=arch.tie_word_embeddings and not critic,
-        position_embedding_type="rope",
+        position_embedding_type="rope" if arch.vision is None else "mrope",
         rotary_base=arch.rope_theta,
+        # a VL model replaces image rows of the embeddings before the sequence-parallel split
+        # (parallel/vision_step.py): megatron's embedding must hand over the whole sequence
+        scatter_embedding_sequence_parallel=arch.vision is None,
         pg_collection=groups.pg_collection,
     )
     # RoPE frequencies exactly as transformers computes them (incl. llama3 scaling).
     rope = model.rotary_pos_emb
     rope.inv_freq = rope_inv_freq(arch).to(rope.inv_freq.device)
+    if arch.vision is not None and groups.is_first_stage:
+        # the tower (transformers' module: HF-exact features) is replicated on every rank that
+        # embeds tokens; a child of the GPTModel, so DDP reduces its gradients over dp
+        model.visual = build_vision_tower(hf_config, dtype=config.params_dtype)
     if critic and groups.is_last_stage:
         model.output_layer = ValueHead(config.hidden_size, has_value_bias(hf_config),
                                        config.params_dtype, config.sequence_parallel,

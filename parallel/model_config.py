@@ -1,4 +1,4 @@
-"""HF config -> megatron-core TransformerConfig (Qwen2, Qwen3, Llama, Qwen3-MoE families).
+"""HF config -> megatron-core TransformerConfig (Qwen2, Qwen3, Llama, Qwen3-MoE, Qwen2.5-VL families).
 
 The HF config is the source of truth for the architecture; everything megatron
 needs beyond TransformerConfig (vocab padding, RoPE base/scaling, tied
@@ -15,8 +15,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from parallel.vision import vision_arch
+
 __all__ = [
     "HFArch",
+    "config_value",
     "MoEArch",
     "MOE_MODEL_TYPES",
     "SUPPORTED_MODEL_TYPES",
@@ -36,6 +39,8 @@ SUPPORTED_MODEL_TYPES: dict[str, tuple[bool, bool]] = {
     "llama": (False, False),
     "qwen3": (False, True),
     "qwen3_moe": (False, True),
+    "qwen2_5_vl": (True, False),  # the language model of Qwen2.5-VL is Qwen2's (vision: parallel/vision.py)
+    "qwen2_vl": (True, False),
 }
 MOE_MODEL_TYPES = ("qwen3_moe",)
 
@@ -75,12 +80,27 @@ class HFArch:
     qkv_bias: bool
     qk_norm: bool
     moe: Optional[MoEArch] = None
+    vision: Optional[Any] = None  # parallel.vision.VisionArch of a vision-language model
+
+
+_MISSING = object()
 
 
 def _get(hf_config: Any, name: str, default: Any = None) -> Any:
+    """``name`` of an HF config (object or dict); a vision-language config's language-model
+    fields live in its ``text_config`` (transformers 5), which is read when the top level lacks them."""
     if isinstance(hf_config, dict):
-        return hf_config.get(name, default)
-    return getattr(hf_config, name, default)
+        value = hf_config.get(name, _MISSING)
+        text = hf_config.get("text_config")
+    else:
+        value = getattr(hf_config, name, _MISSING)
+        text = getattr(hf_config, "text_config", None)
+    if value is _MISSING and text is not None:
+        return _get(text, name, default)
+    return default if value is _MISSING else value
+
+
+config_value = _get  # the public name: every module reads HF config fields through it
 
 
 def _rope_params(hf_config: Any) -> dict[str, Any]:
@@ -93,6 +113,8 @@ def _rope_params(hf_config: Any) -> dict[str, Any]:
         params.update(legacy)
         params.setdefault("rope_type", legacy.get("type", "default"))
     params.setdefault("rope_type", "default")
+    if params["rope_type"] == "mrope":  # Qwen2-VL's legacy name: default frequencies, split by mrope_section
+        params["rope_type"] = "default"
     return params
 
 
@@ -165,6 +187,7 @@ def hf_arch(hf_config: Any, tp_size: int = 1, vocab_divisor: int = DEFAULT_VOCAB
         qkv_bias=qkv_bias,
         qk_norm=qk_norm,
         moe=moe_arch(hf_config),
+        vision=vision_arch(hf_config),
     )
 
 
@@ -284,6 +307,8 @@ def transformer_config_from_hf(hf_config: Any, **overrides: Any):
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
     )
+    if arch.vision is not None:
+        kw["mrope_section"] = list(arch.vision.mrope_section)
     if arch.moe is not None:
         kw.update(moe_config_fields(arch, int(overrides.get("tensor_model_parallel_size", 1)),
                                     int(overrides.get("expert_model_parallel_size", 1))))

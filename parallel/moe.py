@@ -98,4 +98,6 @@ def aux_loss_coef_of(spec_moe: Any, hf_config: Any) -> float:
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if isinstance(cfg, dict) else getattr(cfg, key, default)
+    from parallel.model_config import config_value
+
+    return config_value(cfg, key, default)

@@ -38,19 +38,24 @@ class MicroBatch:
     seqlens: list[int]
     extra: Any = None
     routes: Optional[torch.Tensor] = None  # MoE routing replay: [T, layers, k] experts (-1: none)
+    images: Optional[list[Any]] = None  # VL models: each sequence's ImageInputs (or None), in order
 
 
 def split_packed(input_ids: torch.Tensor, seqlens: list[int],
-                 max_tokens: Optional[int], routes: Optional[torch.Tensor] = None) -> list[MicroBatch]:
+                 max_tokens: Optional[int], routes: Optional[torch.Tensor] = None,
+                 images: Optional[list[Any]] = None) -> list[MicroBatch]:
     """Checked packed batch -> contiguous micro-batches under a token budget (``routes``, packed
-    like ``input_ids``, split the same way)."""
+    like ``input_ids``, and ``images``, one entry per sequence, split the same way)."""
     seqlens = [int(n) for n in seqlens]
     check_packed(input_ids, seqlens)
     offs = [0]
     for n in seqlens:
         offs.append(offs[-1] + n)
+    if images is not None and len(images) != len(seqlens):
+        raise ValueError(f"images: {len(images)} entries for {len(seqlens)} sequences (one per sequence, None: none)")
     return [MicroBatch(input_ids[offs[a]:offs[b]], seqlens[a:b],
-                       routes=None if routes is None else routes[offs[a]:offs[b]])
+                       routes=None if routes is None else routes[offs[a]:offs[b]],
+                       images=None if images is None else list(images[a:b]))
             for a, b in split_by_token_budget(seqlens, max_tokens)]
 
 
@@ -83,14 +88,17 @@ def share_from_last_stage(groups: ModelGroups, payload: Optional[dict]) -> dict:
 class ScheduleRunner:
     """Runs micro-batches through megatron's schedule for one model's groups."""
 
-    def __init__(self, groups: ModelGroups, config: Any, moe: Optional[Any] = None) -> None:
+    def __init__(self, groups: ModelGroups, config: Any, moe: Optional[Any] = None,
+                 vision: Optional[Any] = None) -> None:
         """``moe``: the model's :class:`parallel.moe_step.MoEStep` (routing inputs in, aux loss and
-        statistics out, around each micro-batch's forward); None for a dense model."""
+        statistics out, around each micro-batch's forward); None for a dense model. ``vision``: a
+        VL model's :class:`parallel.vision_step.VisionStep` (M-RoPE positions, image features)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.groups = groups
         self.config = config
         self.moe = moe
+        self.vision = vision
         pp = groups.strategy.pp
         self._fwd_bwd = get_forward_backward_func(pp_size=pp, vp_size=None)
         self._p2p = None
@@ -135,7 +143,10 @@ class ScheduleRunner:
             mb, pb = next(data_iter)
             if moe is not None:
                 moe.before(pb, mb.routes, training=not forward_only)
-            out = model_(pb.input_ids, pb.position_ids, None)  # causal mask built by megatron
+            if self.vision is not None:
+                out = self.vision.forward(model_, pb, mb.images)
+            else:
+                out = model_(pb.input_ids, pb.position_ids, None)  # causal mask built by megatron
             if moe is not None:
                 out = moe.after(out, training=not forward_only)
             return out, partial(self._call, on_output, mb, pb.valid)

@@ -182,6 +182,27 @@ _TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                  router_aux_loss_coef=0.01)
 
 
+# a tiny Qwen2.5-VL: the language model as _TINY (head_dim 16: mrope_section 2+3+3 = 8 pairs), a
+# 2-block vision tower (one windowed block, one full-attention block) with 56-pixel windows
+_TINY_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, fullatt_block_indexes=[1],
+                    window_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+TINY_VL_TOKENS = dict(image_token_id=150, vision_start_token_id=151, vision_end_token_id=152)
+
+
+def _tiny_vl_config(kw: dict) -> Any:
+    import transformers as tf
+
+    text = {k: v for k, v in kw.items() if k not in ("vision_config",) and k not in TINY_VL_TOKENS}
+    text.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    text.setdefault("bos_token_id", 1)
+    text.setdefault("eos_token_id", 2)
+    vision = dict(_TINY_VISION, out_hidden_size=text["hidden_size"], **kw.get("vision_config", {}))
+    tokens = {k: kw.get(k, v) for k, v in TINY_VL_TOKENS.items()}
+    return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=text["bos_token_id"],
+                               eos_token_id=text["eos_token_id"],
+                               tie_word_embeddings=bool(kw.get("tie_word_embeddings", False)), **tokens)
+
+
 def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
                  max_shard_size: Optional[str] = None, critic: bool = False, **overrides: Any):
     """Save a random tiny HF model (safetensors) to ``path``; return (config, model).
@@ -197,7 +218,8 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
     classes = {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
                "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-               "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}
+               "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+               "qwen2_5_vl": (_tiny_vl_config, tf.Qwen2_5_VLForConditionalGeneration)}
     cfg_cls, model_cls = classes[family]
     if critic:
         model_cls = getattr(tf, model_cls.__name__.replace("ForCausalLM", "ForTokenClassification"))
@@ -206,7 +228,7 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
     if family == "qwen3_moe":
         kw.update(_TINY_MOE)
     kw.update(overrides)
-    config = cfg_cls(**kw)
+    config = cfg_cls(kw) if family == "qwen2_5_vl" else cfg_cls(**kw)
     torch.manual_seed(seed)
     model = model_cls(config).float().eval()
     with torch.no_grad():

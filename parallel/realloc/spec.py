@@ -81,7 +81,9 @@ def full_shape(entry: ParamMapping) -> tuple[int, ...]:
 
 
 def _cfg(hf_config: Any, key: str) -> Any:
-    return hf_config.get(key) if isinstance(hf_config, dict) else getattr(hf_config, key, None)
+    from parallel.model_config import config_value
+
+    return config_value(hf_config, key)
 
 
 def _tp_pieces(e: ParamMapping, tp: int, tp_rank: int, padded_vocab: int
@@ -167,6 +169,10 @@ def shard_spec(hf_config: Any, layout: Layout, table: Optional[list[ParamMapping
                     local = "output_layer.weight"
                 else:
                     continue
+            elif name.startswith("visual."):  # the vision tower: with the embedding
+                if not first:
+                    continue
+                local = name
             elif not last:  # final norm, untied LM head
                 continue
             else:

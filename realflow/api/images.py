@@ -24,13 +24,16 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["IMAGE_PIXELS", "IMAGE_GRID", "ImageInputs", "ImageProcessing", "ImageError", "ImageSource",
+__all__ = ["IMAGE_PIXELS", "IMAGE_GRID", "IMAGES_EXTRA", "ImageInputs", "ImageProcessing", "ImageError", "ImageSource",
            "decode_image", "process_images", "image_token_counts", "expand_image_tokens"]
 
 #: the processor's patches of a sample's images, ``[patches, C*T*P*P]`` float32 (one sequence per sample)
 IMAGE_PIXELS = "pixel_values"
 #: each image's ``(t, h, w)`` patch grid, ``[images, 3]`` int64 (one sequence per sample)
 IMAGE_GRID = "image_grid_thw"
+
+#: the key of a training micro-batch's ``extra`` holding one ImageInputs (or None) per sequence
+IMAGES_EXTRA = "images"
 
 #: what a caller may hand over as one image: encoded bytes, a base64 string (optionally a
 #: ``data:image/...;base64,`` URL), a local path, or a PIL image

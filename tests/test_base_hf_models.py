@@ -227,7 +227,8 @@ def test_supported_list_is_what_parallel_builds():
     critics = {a: t for a, t in SUPPORTED_ARCHITECTURES.items() if a.endswith("ForTokenClassification")}
     assert critics == {a: t for t, a in CRITIC_CLASSES.items()}
     lms = {a: t for a, t in SUPPORTED_ARCHITECTURES.items() if a not in critics}
-    assert sorted(lms.values()) == sorted(PARALLEL_TYPES) and all(a.endswith("ForCausalLM") for a in lms)
+    assert sorted(lms.values()) == sorted(PARALLEL_TYPES)
+    assert all(a.endswith("ForCausalLM") or a.endswith("VLForConditionalGeneration") for a in lms)
     for arch, model_type in SUPPORTED_ARCHITECTURES.items():
         assert getattr(transformers, arch).config_class.model_type == model_type
     line = describe_supported()

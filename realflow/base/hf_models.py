@@ -41,6 +41,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2ForTokenClassification": "qwen2",
     "Qwen3ForTokenClassification": "qwen3",
     "LlamaForTokenClassification": "llama",
@@ -53,6 +55,8 @@ _FAMILY_NAMES: tuple[tuple[str, str], ...] = (
     ("Qwen3", "Qwen3ForCausalLM"),
     ("Llama 3.x", "LlamaForCausalLM"),
     ("Qwen3-MoE", "Qwen3MoeForCausalLM"),
+    ("Qwen2.5-VL", "Qwen2_5_VLForConditionalGeneration"),
+    ("Qwen2-VL", "Qwen2VLForConditionalGeneration"),
 )
 _PATH_PREFIXES = ("/", ".", "~")
 

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from mfc.images import has_images, sequence_images
 from mfc.losses import aggregation_weight, ppo_actor_loss
 from mfc.packed import next_token_targets
 from mfc.ppo_config import PPOConfig
@@ -272,6 +273,8 @@ def logprobs_batch(model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec, 
     kw = {}
     if ROUTED_EXPERTS in batch.data:  # MoE routing replay (R3): the generator's experts per token
         kw["routed_experts"] = batch.data[ROUTED_EXPERTS]
+    if has_images(batch):  # VL prompts: each sequence's images
+        kw["images"] = sequence_images(batch)
     lp = model.module.logprobs(batch.data[INPUT_IDS], lens, mb_spec.max_tokens_per_mb, temperature=temperature, **kw)
     if lp is None:
         return None

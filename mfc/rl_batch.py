@@ -17,12 +17,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from mfc.advantages import discounted_returns, gae, seq_to_token
+from mfc.images import has_images, image_data, sequence_images
 from mfc.kl import KLControlConfig, kl_estimate, make_kl_controller, shape_rewards
 from mfc.normalization import normalize
 from mfc.ppo_config import ESTIMATORS, AdvantageConfig, KLConfig  # noqa: F401  (importable from here too)
 from mfc.ppo_functional import ppo_minibatches
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.engine import LossFn, TrainEngine
+from realflow.api.images import IMAGES_EXTRA
 from realflow.api.keys import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REF_LOGPROBS, REWARDS,  # noqa: F401
                                ROUTED_EXPERTS, VALUES)
 
@@ -178,7 +180,11 @@ def with_token_keys(batch: SequenceBatch, t: RLTensors,
             "_adv": t.advantages, "_ret": t.returns, **(extra or {})}
     if t.old_values is not None:
         data["_old_v"] = t.old_values
-    return SequenceBatch(list(batch.ids), {k: lens for k in data}, data)
+    seqlens = {k: lens for k in data}
+    img_lens, img_data = image_data(batch)  # a VL prompt's images travel with its sample
+    seqlens.update(img_lens)
+    data.update(img_data)
+    return SequenceBatch(list(batch.ids), seqlens, data)
 
 
 @dataclass
@@ -212,6 +218,8 @@ def run_ppo_updates(engine: TrainEngine, batch: SequenceBatch, t: RLTensors, mb_
             extra = micro_batch(mb, lens)
             if ROUTED_EXPERTS in mb.data and isinstance(extra, dict):  # MoE routing replay, for the engine
                 extra[ROUTED_EXPERTS] = mb.data[ROUTED_EXPERTS]
+            if has_images(mb) and isinstance(extra, dict):  # VL prompts: each sequence's images
+                extra[IMAGES_EXTRA] = sequence_images(mb)
             mbs.append((mb.data[INPUT_IDS], lens, extra))
             ids.append(mb.ids)
         st = engine.train_batch(mbs, loss_fn, weight_fn, sample_ids=ids)

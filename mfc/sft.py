@@ -7,10 +7,12 @@ from typing import Any
 
 import torch
 
+from mfc.images import has_images, sample_images, sequence_images
 from mfc.packed import next_token_targets
 from mfc.reward import held_out_scores
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.engine import TokenOutputs
+from realflow.api.images import IMAGES_EXTRA
 from realflow.api.interface import Model, ModelInterface, register_interface
 
 
@@ -38,7 +40,10 @@ class SFTInterface(ModelInterface):
             targets, valid = next_token_targets(tokens, seqlens)
             # a target counts if it is a response token (not prompt) and inside its sequence
             loss_mask = valid & ~torch.roll(mb.data["prompt_mask"], -1)
-            micro_batches.append((tokens, seqlens, {"targets": targets, "mask": loss_mask, "ids": mb.ids}))
+            extra = {"targets": targets, "mask": loss_mask, "ids": mb.ids}
+            if has_images(mb):  # VL rows: each sequence's images
+                extra[IMAGES_EXTRA] = sequence_images(mb)
+            micro_batches.append((tokens, seqlens, extra))
         # the batch's longest sequence: what a padded engine pays per sequence (the planner's workload);
         # reduced before train_batch, which may raise on one rank only (a non-finite loss in stop mode)
         longest = model.module.dp_max([float(max((n for _, lens, _ in micro_batches for n in lens), default=0))])[0]
@@ -63,7 +68,8 @@ class SFTInterface(ModelInterface):
                 seq = seq[batch.sequences("prompt_mask", i)[0].bool()]
             prompts.append(seq.tolist())
         tok = model.tokenizer
-        outputs = model.module.greedy_generate(prompts, self.eval_max_new_tokens, tok.eos_token_id)
+        kw = {"images": [sample_images(batch, i) for i in range(len(batch))]} if has_images(batch) else {}
+        outputs = model.module.greedy_generate(prompts, self.eval_max_new_tokens, tok.eos_token_id, **kw)
         texts = [tok.decode(out, skip_special_tokens=True) for out in outputs]
         correct = sum(held_out_scores(texts, batch.metadata["answer"], self.eval_reward, self.eval_reward_args))
         n_correct, n_total = model.module.dp_sum([correct, float(len(prompts))])

@@ -377,15 +377,17 @@ class MegatronEngine(EngineHFMixin):
     @torch.no_grad()
     def greedy_generate(self, prompts: list[list[int]], max_new_tokens: int,
                         eos_token_id: Optional[int] = None,
-                        max_tokens_per_mb: Optional[int] = None) -> list[list[int]]:
+                        max_tokens_per_mb: Optional[int] = None, *,
+                        images: Optional[list[Any]] = None) -> list[list[int]]:
         """Greedy continuation of each prompt (batched, no KV cache), on every rank of
         the replica.  Returns the NEW tokens of each prompt, ending with
-        ``eos_token_id`` when it was generated."""
+        ``eos_token_id`` when it was generated.  ``images``: one ImageInputs (or None) per prompt."""
         if self.critic:
             raise TypeError("greedy_generate() on a critic engine")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("greedy_generate: empty prompt")
         seqs = [list(map(int, p)) for p in prompts]
+        images = self._images(images, [len(p) for p in prompts])
         new: list[list[int]] = [[] for _ in prompts]
         active = list(range(len(prompts)))
         for _ in range(max_new_tokens):
@@ -398,7 +400,8 @@ class MegatronEngine(EngineHFMixin):
                 ends = torch.tensor(mb.seqlens).cumsum(0) - 1
                 return out.argmax()[ends]
 
-            parts = self._infer(ids, lens, max_tokens_per_mb, last_argmax)
+            parts = self._infer(ids, lens, max_tokens_per_mb, last_argmax,
+                                images=None if images is None else [images[i] for i in active])
             nxt = to_host(torch.cat(parts)) if parts else torch.empty(len(active), dtype=torch.long)
             if self.groups.strategy.pp > 1:  # the last stage tells the others
                 src = self.groups.rank_at(dp=self.groups.dp_rank, tp=self.groups.tp_rank,

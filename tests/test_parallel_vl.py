@@ -6,7 +6,8 @@ of different sizes (pixels through transformers' image processor). One 2-rank gl
 every case (parallel.testing.run_cases). Per layout (d1, t2, p2, d2):
 
 1. packed varlen fp32 logits with images (one micro-batch and several uneven ones) equal
-   ``Qwen2_5_VLForConditionalGeneration``'s within LOGIT_ATOL;
+   ``Qwen2_5_VLForConditionalGeneration``'s within LOGIT_ATOL, and greedy continuations (the
+   engine's cache-free ``greedy_generate``, what SFT's held-out score uses) equal ``generate``'s;
 2. ``save_hf`` reloads in transformers bit-identical to the original (tower included);
 3. one train step (summed NLL / tokens): loss and gradient norm equal transformers' autograd,
    and (dp = 1) every gathered gradient, the vision tower's included, within GRAD_RTOL; with
@@ -34,6 +35,7 @@ MODEL = dict(family="qwen2_5_vl", vocab_size=160, hidden_size=64, intermediate_s
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 LAYOUTS = ("d1", "t2", "p2", "d2")
 BUDGETS = (None, 48)
+GREEDY_TOKENS = 6
 IMG, START, END = (TINY_VL_TOKENS[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id"))
 CASES = ["case_setup"] + [f"case_{lay}" for lay in LAYOUTS] + ["case_freeze", "case_realloc"]
 
@@ -97,6 +99,12 @@ def _make_references(ctx):
     ref = {}
     with torch.no_grad():
         ref["logits"] = torch.cat([_hf_logits(model, ids, imgs).float() for ids, imgs in samples])
+        for i, (ids, imgs) in enumerate(samples):
+            kw = {} if imgs is None else dict(pixel_values=imgs.pixel_values, image_grid_thw=imgs.grid_thw,
+                                              mm_token_type_ids=(ids == IMG).int()[None])
+            out = model.generate(input_ids=ids[None], max_new_tokens=GREEDY_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0, **kw)
+            ref[f"greedy{i}"] = out[0, len(ids):].clone()
     for dp in (1, 2):
         m = copy.deepcopy(model).train()
         total_w = sum(len(ids) - 1 for ids, _ in samples)
@@ -189,6 +197,9 @@ def _run(ctx, layout):
         if out is not None:
             res[f"logits_err_mb{budget}"] = err = (out - ref["logits"]).abs().max().item()
             assert err <= LOGIT_ATOL, f"{layout} budget={budget}: logits differ by {err}"
+    greedy = eng.greedy_generate([i.tolist() for i in ids.split(lens)], GREEDY_TOKENS, images=images)
+    for i, got in enumerate(greedy):
+        assert got == ref[f"greedy{i}"].tolist(), (layout, i, got, ref[f"greedy{i}"].tolist())
     out_dir = _path(ctx, f"saved_{layout}")
     eng.save_hf(out_dir)
     if ctx.rank == 0:

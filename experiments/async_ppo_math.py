@@ -152,7 +152,8 @@ class _AsyncBase(_RLBase):
         mfcs = graph_registry.get("async_ppo")(gcfg)
         self._check_generator_len(actor, planned)
         models = {ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
-                                   expected_config=planned, lora=lora, training=self.training, moe=self.moe)}
+                                   expected_config=planned, lora=lora, training=self.training, moe=self.moe,
+                                   freeze_vision=self.model.freeze_vision)}
         if gcfg.use_ref and not lora.enabled:
             models[REF] = ModelSpec(role=REF, path=actor, tokenizer_path=tok, expected_config=planned)
         data_args = self.data_args()

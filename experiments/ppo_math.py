@@ -52,6 +52,8 @@ class RLModelConfig:
     critic_lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={
         "help": "LoRA adapters on the critic (ppo-math); needs a critic checkpoint with a value head "
                 "(model.critic_path), since a fresh head would stay a frozen random projection"})
+    freeze_vision: bool = field(default=False, metadata={
+        "help": "vision-language models: keep the vision tower frozen (trains the language model only)"})
 
 
 @dataclass
@@ -218,7 +220,8 @@ class _RLBase(BaseExperimentConfig):
         mfcs = graph_registry.get(self._graph)(gcfg)
         models = {
             ACTOR: ModelSpec(role=ACTOR, path=actor, tokenizer_path=tok, optimizer=self.actor_optimizer,
-                             expected_config=planned, lora=lora, training=self.training, moe=self.moe),
+                             expected_config=planned, lora=lora, training=self.training, moe=self.moe,
+                             freeze_vision=self.model.freeze_vision),
             REWARD: ModelSpec(role=REWARD, path=tok, tokenizer_path=tok, backend="none"),
         }
         if gcfg.use_ref and not lora.enabled:

@@ -41,6 +41,8 @@ class SFTModelConfig:
     arch: TinyArchConfig = field(default_factory=TinyArchConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig, metadata={
         "help": "train LoRA adapters (model.lora.enabled=true) on the frozen model; saves a PEFT adapter"})
+    freeze_vision: bool = field(default=False, metadata={
+        "help": "vision-language models: keep the vision tower frozen (trains the language model only)"})
 
 
 @dataclass
@@ -208,7 +210,8 @@ class SFTConfig(BaseExperimentConfig):
             mfcs=mfcs,
             models={"default": ModelSpec(role="default", path=model, tokenizer_path=tok, optimizer=self.optimizer,
                                          expected_config=None if self.model.path else planned_hf_config(self.model.arch),
-                                         lora=self.model.lora, training=self.training)},
+                                         lora=self.model.lora, training=self.training,
+                                         freeze_vision=self.model.freeze_vision)},
             dataset=DatasetSpec(format="sft", path=train, args=data_args),
             n_workers=self.n_workers,
             allocation=self.allocation or f"d{self.n_workers}",

@@ -54,7 +54,8 @@ class MegatronBackend:
                               attention=spec.backend_args.get("attention", "sdpa"),
                               critic=bool(spec.backend_args.get("critic", False)),
                               lora=lora_for_layout(spec, load_weights),
-                              training=getattr(spec, "training", None), moe=getattr(spec, "moe", None))
+                              training=getattr(spec, "training", None), moe=getattr(spec, "moe", None),
+                              freeze_vision=bool(getattr(spec, "freeze_vision", False)))
 
     # ---- parameter reallocation and offload (runtime hooks) ------------------------------------
 

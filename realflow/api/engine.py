@@ -118,9 +118,11 @@ class TrainEngine(Protocol):
 
     def logprobs(self, input_ids: torch.Tensor, seqlens: list[int], max_tokens_per_mb: Optional[int] = None, *,
                  temperature: float = 1.0, with_entropy: bool = False,
-                 routed_experts: Optional[torch.Tensor] = None) -> Any:
+                 routed_experts: Optional[torch.Tensor] = None, images: Optional[list[Any]] = None) -> Any:
         """Packed ``log p(next token)`` per position (0 at each sequence's last), or ``(logprobs, entropy)``;
-        an MoE model routes each token to ``routed_experts`` (``[tokens, layers, k]``, routing replay) when given."""
+        an MoE model routes each token to ``routed_experts`` (``[tokens, layers, k]``, routing replay) when given;
+        a vision-language model sees ``images`` (one :class:`realflow.api.images.ImageInputs` or None per
+        sequence; training micro-batches carry them as ``extra["images"]``)."""
         ...
 
     def values(self, input_ids: torch.Tensor, seqlens: list[int],
@@ -137,7 +139,8 @@ class TrainEngine(Protocol):
         ...
 
     def greedy_generate(self, prompts: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int] = None,
-                        max_tokens_per_mb: Optional[int] = None) -> list[list[int]]:
+                        max_tokens_per_mb: Optional[int] = None, *,
+                        images: Optional[list[Any]] = None) -> list[list[int]]:
         """Greedy continuations (new tokens only) on every rank of the replica; works in any layout."""
         ...
 

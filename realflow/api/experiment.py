@@ -93,6 +93,8 @@ class ModelSpec:
     training: TrainingMemoryConfig = field(default_factory=TrainingMemoryConfig)
     #: mixture-of-experts options (routing replay, aux loss); refused on a dense model
     moe: MoEConfig = field(default_factory=MoEConfig)
+    #: vision-language models: the vision tower is not trained (``model.freeze_vision``)
+    freeze_vision: bool = False
 
 
 @dataclass

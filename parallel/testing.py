@@ -189,15 +189,24 @@ _TINY_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, 
 TINY_VL_TOKENS = dict(image_token_id=150, vision_start_token_id=151, vision_end_token_id=152)
 
 
-def _tiny_vl_config(kw: dict) -> Any:
+_TINY_VISION_QWEN2 = dict(depth=2, embed_dim=32, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+                         temporal_patch_size=2)
+
+
+def _tiny_vl_config(kw: dict, family: str = "qwen2_5_vl") -> Any:
     import transformers as tf
 
     text = {k: v for k, v in kw.items() if k not in ("vision_config",) and k not in TINY_VL_TOKENS}
     text.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     text.setdefault("bos_token_id", 1)
     text.setdefault("eos_token_id", 2)
-    vision = dict(_TINY_VISION, out_hidden_size=text["hidden_size"], **kw.get("vision_config", {}))
     tokens = {k: kw.get(k, v) for k, v in TINY_VL_TOKENS.items()}
+    if family == "qwen2_vl":  # Qwen2-VL's tower: no windows, its hidden_size is the merger's output
+        vision = dict(_TINY_VISION_QWEN2, hidden_size=text["hidden_size"], **kw.get("vision_config", {}))
+        return tf.Qwen2VLConfig(text_config=text, vision_config=vision, bos_token_id=text["bos_token_id"],
+                                eos_token_id=text["eos_token_id"],
+                                tie_word_embeddings=bool(kw.get("tie_word_embeddings", False)), **tokens)
+    vision = dict(_TINY_VISION, out_hidden_size=text["hidden_size"], **kw.get("vision_config", {}))
     return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=text["bos_token_id"],
                                eos_token_id=text["eos_token_id"],
                                tie_word_embeddings=bool(kw.get("tie_word_embeddings", False)), **tokens)
@@ -219,7 +228,8 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
                "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
                "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
-               "qwen2_5_vl": (_tiny_vl_config, tf.Qwen2_5_VLForConditionalGeneration)}
+               "qwen2_5_vl": (_tiny_vl_config, tf.Qwen2_5_VLForConditionalGeneration),
+               "qwen2_vl": (lambda kw: _tiny_vl_config(kw, "qwen2_vl"), tf.Qwen2VLForConditionalGeneration)}
     cfg_cls, model_cls = classes[family]
     if critic:
         model_cls = getattr(tf, model_cls.__name__.replace("ForCausalLM", "ForTokenClassification"))
@@ -228,7 +238,7 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
     if family == "qwen3_moe":
         kw.update(_TINY_MOE)
     kw.update(overrides)
-    config = cfg_cls(kw) if family == "qwen2_5_vl" else cfg_cls(**kw)
+    config = cfg_cls(kw) if family in ("qwen2_5_vl", "qwen2_vl") else cfg_cls(**kw)
     torch.manual_seed(seed)
     model = model_cls(config).float().eval()
     with torch.no_grad():

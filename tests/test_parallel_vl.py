@@ -37,7 +37,7 @@ LAYOUTS = ("d1", "t2", "p2", "d2")
 BUDGETS = (None, 48)
 GREEDY_TOKENS = 6
 IMG, START, END = (TINY_VL_TOKENS[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id"))
-CASES = ["case_setup"] + [f"case_{lay}" for lay in LAYOUTS] + ["case_freeze", "case_realloc"]
+CASES = ["case_setup"] + [f"case_{lay}" for lay in LAYOUTS] + ["case_freeze", "case_realloc", "case_qwen2_vl"]
 
 
 def _png(h: int, w: int, seed: int) -> bytes:
@@ -295,3 +295,35 @@ def results():
 def test_vl(results, case):
     r = results[case]
     assert r.ok, r.error
+
+
+def case_qwen2_vl(ctx):
+    """Qwen2-VL (the previous generation: a tower without windows, the same M-RoPE) in t2: logits
+    with images equal transformers' ``Qwen2VLForConditionalGeneration``'s."""
+    from parallel.engine import MegatronEngine
+    from parallel.groups import build_model_groups
+    from realflow.api.allocation import parse_strategy
+
+    path = _path(ctx, "qwen2vl")
+    samples = _samples()
+    err = None
+    if ctx.rank == 0:
+        try:
+            _, model = make_tiny_hf(path, seed=5, **dict(MODEL, family="qwen2_vl"))
+            with torch.no_grad():
+                ref = torch.cat([_hf_logits(model, ids, imgs).float() for ids, imgs in samples])
+            torch.save(ref, path + ".ref.pt")
+        except Exception as e:  # noqa: BLE001 - raised after the barrier
+            err = e
+    dist.barrier()
+    if err is not None:
+        raise err
+    s = parse_strategy("t2")
+    eng = MegatronEngine(path, build_model_groups([0, 1], s), path, seed=1)
+    out = eng.forward(torch.cat([i for i, _ in samples]), [len(i) for i, _ in samples],
+                      images=[im for _, im in samples])
+    if out is None:
+        return None
+    err = (out - torch.load(path + ".ref.pt")).abs().max().item()
+    assert err <= LOGIT_ATOL, f"qwen2_vl t2: logits differ by {err}"
+    return {"logits_err": err}

@@ -16,6 +16,7 @@ from realflow.api.backend import LayoutError, engine_cost_meters, register_backe
 from realflow.api.engine import TrainEngine
 from realflow.api.layout import Layout
 from realflow.base.devices import resolve_precision
+from realflow.base.hf_models import language_fields
 
 from parallel.engine import MegatronEngine
 from parallel.groups import ModelGroups, build_model_groups
@@ -215,7 +216,7 @@ def read_hf_config(path: str) -> Optional[dict[str, Any]]:
         return None
     try:
         with open(file) as f:
-            cfg = json.load(f)
+            cfg = language_fields(json.load(f))
     except json.JSONDecodeError as e:
         raise LayoutError(f"{file}:{e.lineno}: invalid JSON ({e.msg})") from None
     except (OSError, ValueError) as e:

@@ -29,6 +29,7 @@ __all__ = [
     "check_architecture",
     "model_context_length",
     "describe_supported",
+    "language_fields",
 ]
 
 # HF ``architectures`` entry -> its ``model_type``.  Mirrors what parallel/ builds:
@@ -186,6 +187,22 @@ def check_architecture(config: Mapping[str, Any], where: str) -> None:
             f"{where}: model_type {model_type!r} is not supported; realflow builds {supported}")
 
 
+def language_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A config.json dict with its language model's fields at the top level.
+
+    Vision-language checkpoints written by transformers 5 nest the language model's fields
+    (hidden_size, num_hidden_layers, vocab_size, ...) in ``text_config``; every reader of plain
+    config dicts (preflight, layouts, the planner) wants them where text-only models keep them.
+    Top-level fields win; ``text_config`` and ``vision_config`` stay as they are.
+    """
+    out = dict(config)
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        for k, v in text.items():
+            out.setdefault(k, v)
+    return out
+
+
 def model_context_length(config: Mapping[str, Any]) -> int | None:
     """The longest sequence the config claims to handle, for defaulting length limits.
 
@@ -195,6 +212,7 @@ def model_context_length(config: Mapping[str, Any]) -> int | None:
     extended length in ``max_position_embeddings``, so the larger of the two wins.  None
     when the config has no usable length.
     """
+    config = language_fields(config)
     base = config.get("max_position_embeddings")
     if isinstance(base, bool) or not isinstance(base, int) or base <= 0:
         return None

@@ -51,6 +51,9 @@ class ModelFacts:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelFacts":
+        from realflow.base.hf_models import language_fields
+
+        cfg = language_fields(cfg)
         missing = [k for k in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                                "vocab_size") if k not in cfg]
         if missing:

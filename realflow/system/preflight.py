@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from realflow.data.dataset import DataRowError, load_rows_report
 from realflow.api.experiment import DatasetSpec, ExperimentSetup
+from realflow.base.hf_models import language_fields
 
 
 class PreflightError(ValueError):
@@ -32,7 +33,7 @@ def check_checkpoint(path: str, what: str) -> None:
     cfg = os.path.join(path, "config.json")
     try:
         with open(cfg) as f:
-            config = json.load(f)
+            config = language_fields(json.load(f))
     except OSError as e:
         raise PreflightError(f"{what}: cannot read {cfg}: {e.strerror}") from None
     except json.JSONDecodeError as e:
@@ -61,12 +62,15 @@ def check_checkpoint(path: str, what: str) -> None:
         _check_shapes(config, shapes, cfg, what)
 
 
+_VISION_PREFIXES = ("visual.", "model.visual.")  # a VL model's tower: its own shapes, not the LM's
+
+
 def _check_shapes(config: dict, shapes: dict[str, tuple[list[int], str]], cfg_path: str, what: str) -> None:
     """The tensors' shapes must be the ones config.json describes (HF llama-family names): a
     config edited out of step with its weights fails here, not while every worker loads."""
     def expect(suffix: str, want: list, fields: str) -> None:
         for key, (shape, file) in shapes.items():
-            if key.endswith(suffix) and shape != want:
+            if key.endswith(suffix) and shape != want and not key.startswith(_VISION_PREFIXES):
                 raise PreflightError(f"{what}: {file}: tensor {key} has shape {shape}, but {cfg_path} says "
                                      f"{fields} -> {want}")
 
@@ -186,7 +190,7 @@ def check_rollout_model(setup: ExperimentSetup, policy_role: str = "actor") -> N
     for path in (r.model_path, policy.path):
         try:
             with open(os.path.join(path, "config.json")) as f:
-                configs.append(json.load(f))
+                configs.append(language_fields(json.load(f)))
         except (OSError, ValueError):
             return  # a missing or unreadable checkpoint is check_checkpoint's to name
     diff = [f"{k}={configs[0].get(k)!r} vs {configs[1].get(k)!r}" for k in _ARCH_KEYS

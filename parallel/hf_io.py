@@ -88,8 +88,10 @@ class ParamMapping:
 
 def param_table(hf_config: Any, arch: HFArch) -> list[ParamMapping]:
     """Mapping table for the whole model (global layer indices, tp = 1 shapes)."""
-    g = (lambda k, d=None: getattr(hf_config, k, d)) if not isinstance(hf_config, dict) \
-        else hf_config.get
+    from parallel.model_config import _get
+
+    def g(k: str, d: Any = None) -> Any:
+        return _get(hf_config, k, d)
     hidden, inter = int(g("hidden_size")), int(g("intermediate_size"))
     nh = int(g("num_attention_heads"))
     ng = int(g("num_key_value_heads") or nh)

@@ -36,6 +36,9 @@ SUPPORTED_MODEL_TYPES: dict[str, tuple[bool, bool]] = {
     "llama": (False, False),
     "qwen3": (False, True),
     "qwen3_moe": (False, True),
+    # vision-language: the language model is Qwen2's (its fields under text_config, see _get)
+    "qwen2_5_vl": (True, False),
+    "qwen2_vl": (True, False),
 }
 MOE_MODEL_TYPES = ("qwen3_moe",)
 
@@ -77,10 +80,22 @@ class HFArch:
     moe: Optional[MoEArch] = None
 
 
+_MISSING = object()
+
+
 def _get(hf_config: Any, name: str, default: Any = None) -> Any:
+    """A config field; a VL config's language-model fields live in its ``text_config``."""
     if isinstance(hf_config, dict):
-        return hf_config.get(name, default)
-    return getattr(hf_config, name, default)
+        value = hf_config.get(name, _MISSING)
+        text = hf_config.get("text_config")
+    else:
+        value = getattr(hf_config, name, _MISSING)
+        text = getattr(hf_config, "text_config", None)
+    if value is not _MISSING:
+        return value
+    if text is not None and text is not hf_config:
+        return _get(text, name, default)
+    return default
 
 
 def _rope_params(hf_config: Any) -> dict[str, Any]:

@@ -237,6 +237,12 @@ class GenerationEngine(WeightUpdatesMixin):
         return self.spec.arch.vocab_size
 
     @property
+    def image_tokens(self) -> Optional[tuple[int, int]]:
+        """``(image_token_id, spatial merge size)`` of a VL model (how many placeholders an image
+        takes); None for a text model. Servers read it to expand and check prompts."""
+        return None if self.vision is None else (self.vision.image_token_id, self.vision.merge_size)
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 

@@ -17,6 +17,7 @@ import os
 import pytest
 import torch
 
+from realflow.api.generation import SamplingParams
 from realflow.rollout.gen_client import GenerationClient, GenerationServerError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -94,3 +95,121 @@ def test_text_model_refuses_image_data(start_gen_server, tmp_path_factory):
         with pytest.raises(GenerationServerError, match="text-only") as e:
             c.generate([1, 2, 3], {"max_new_tokens": 2}, image_data=png(56, 56, 1))
         assert e.value.status == 400
+
+
+# --------------------------------------------------------------------------- the OpenAI proxy
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m.role }} "
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p.text }}{% endif %}"
+    "{% endfor %}{% endif %} <|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def vl_tokenizer():
+    """A word-level tokenizer over the tiny model's 300 ids whose chat template renders image parts
+    as Qwen2.5-VL's does (``<|vision_start|><|image_pad|><|vision_end|>``, ids 291 290 292)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = {0: "<pad>", 1: "<bos>", 2: "<eos>", 3: "<|im_start|>", 4: "<|im_end|>", IMAGE: "<|image_pad|>",
+               VSTART: "<|vision_start|>", VEND: "<|vision_end|>"}
+    words = {10: "user", 11: "assistant", 12: "system", 13: "describe", 14: "the", 15: "picture", 16: "and",
+             17: "this", 18: "one", 19: "<unk>"}
+    vocab = {special.get(i) or words.get(i) or f"w{i}": i for i in range(300)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.add_special_tokens({"additional_special_tokens": [special[i] for i in (3, 4, IMAGE, VSTART, VEND)]})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _proxy_run(url, body, image_token_id=IMAGE):
+    from realflow.api.agent import Completion
+    from realflow.api.rollout import RolloutSpec
+    from realflow.rollout.controller import RolloutController
+    from realflow.rollout.openai_proxy import OpenAIProxy, ProxyConfig
+
+    async def main():
+        ctl = RolloutController(RolloutSpec(model_path="m", tokenizer_path="t", dataset_path="d"), [url], None)
+        await ctl.start()
+
+        async def generate(ids, params, n, rid, image_data=None):
+            outs = await asyncio.gather(*(ctl.pool.complete(f"{rid}-{i}", ids, dict(params), image_data)
+                                          for i in range(n)))
+            return [Completion(o.prompt_ids, o.output_ids, o.logprobs, o.versions, o.finish_reason) for o in outs]
+
+        proxy = OpenAIProxy(generate, vl_tokenizer(), ProxyConfig(model_name="policy", max_tokens=16,
+                                                                  image_token_id=image_token_id))
+        await proxy.start()
+        try:
+            return await body(proxy, proxy.open_session(seed=5))
+        finally:
+            await proxy.stop()
+            await ctl.close()
+
+    return asyncio.run(main())
+
+
+async def _post(proxy, s, payload):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        async with http.post(proxy.base_url + "/chat/completions", json=payload,
+                             headers={"Authorization": f"Bearer {s.key}"},
+                             timeout=aiohttp.ClientTimeout(total=120)) as resp:
+            return resp.status, await resp.json()
+
+
+def _data_url(img: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(img).decode()
+
+
+def test_proxy_image_url_part_equals_the_engine(server, vl):
+    img1, img2 = png(56, 56, 1), png(112, 84, 2)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "describe"},
+                                             {"type": "image_url", "image_url": {"url": _data_url(img1)}},
+                                             {"type": "text", "text": "and this one"},
+                                             {"type": "image_url", "image_url": {"url": _data_url(img2)}}]}]
+
+    async def body(proxy, s):
+        status, out = await _post(proxy, s, {"model": "policy", "messages": messages, "max_tokens": 8,
+                                             "temperature": 0})
+        return status, out, s.records
+
+    status, out, records = _proxy_run(server[0], body)
+    assert status == 200, out
+    tok = vl_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": [
+        {"type": "text", "text": "describe"}, {"type": "image"}, {"type": "text", "text": "and this one"},
+        {"type": "image"}]}], tokenize=False, add_generation_prompt=True)
+    compact = tok.encode(text, add_special_tokens=False)
+    assert compact.count(IMAGE) == 2
+    from realflow.api.images import expand_image_tokens, process_images
+
+    images = process_images([img1, img2])
+    ids = expand_image_tokens(compact, images.grid_thw, IMAGE, 2)
+    want = engine(vl).generate([ids], SamplingParams(max_new_tokens=8, temperature=0.0), images=[images])[0]
+    (rec,) = records
+    assert rec.prompt_ids == ids and rec.output_ids == want.output_ids
+    assert torch.equal(rec.images.grid_thw, images.grid_thw)
+    assert torch.equal(rec.images.pixel_values, images.pixel_values)
+
+
+def test_proxy_refuses_urls_and_images_for_a_text_model(server):
+    def msg(url):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+
+    async def body(proxy, s):
+        return await _post(proxy, s, {"model": "policy", "messages": msg("https://example.com/cat.png")})
+
+    status, out = _proxy_run(server[0], body)
+    assert status == 400 and "only data: URLs" in out["error"]["message"], out
+
+    async def text_model(proxy, s):
+        return await _post(proxy, s, {"model": "policy", "messages": msg(_data_url(png(56, 56, 1)))})
+
+    status, out = _proxy_run(server[0], text_model, image_token_id=None)
+    assert status == 400 and "text-only" in out["error"]["message"], out

@@ -51,12 +51,11 @@ def prepare_images(prompts: list[Any], sources: list[Optional[list[str]]], image
                    min_pixels: int, max_pixels: int) -> tuple[list[list[int]], list[Any]]:
     """(prompts with expanded placeholders, each prompt's ``ImageInputs`` or None); BadRequest naming the
     prompt on a bad image or a placeholder count that fits neither form. Runs on a worker thread."""
-    from realflow.api.images import (ImageError, ImageProcessing, expand_image_tokens, image_token_counts,
-                                     process_images)
+    from realflow.api.images import ImageError, ImageProcessing
+    from realflow.rollout.image_prompts import prompt_images
 
     if image_tokens is None:
         raise BadRequest("image_data: this model is text-only (it has no vision tower); send no images")
-    token, merge = image_tokens
     processing = ImageProcessing(min_pixels=min_pixels, max_pixels=max_pixels)
     many = len(prompts) > 1
     out_ids, out_images = [], []
@@ -67,18 +66,9 @@ def prepare_images(prompts: list[Any], sources: list[Optional[list[str]]], image
             out_images.append(None)
             continue
         try:
-            images = process_images(srcs, processing)
+            ids, images = prompt_images(ids, srcs, image_tokens, processing)
         except ImageError as e:
-            raise BadRequest(f"{where}image_data: {e}") from None
-        counts = image_token_counts(images.grid_thw, merge)
-        found = sum(1 for t in ids if t == token)
-        if found == len(counts):
-            ids = expand_image_tokens(ids, images.grid_thw, token, merge)
-        elif found != sum(counts):
-            raise BadRequest(f"{where}input_ids hold {found} image placeholder token(s) (image_token_id={token}) "
-                             f"for {len(counts)} image(s): send one per image, or each image's "
-                             f"{'+'.join(map(str, counts))} expanded placeholders (min_pixels={min_pixels}, "
-                             f"max_pixels={max_pixels})")
+            raise BadRequest(f"{where}image_data: {e} (min_pixels={min_pixels}, max_pixels={max_pixels})") from None
         out_ids.append(ids)
         out_images.append(images)
     return out_ids, out_images

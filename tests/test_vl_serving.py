@@ -213,3 +213,38 @@ def test_proxy_refuses_urls_and_images_for_a_text_model(server):
 
     status, out = _proxy_run(server[0], text_model, image_token_id=None)
     assert status == 400 and "text-only" in out["error"]["message"], out
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def test_expand_prompt_takes_compact_expanded_and_mixed_runs():
+    from realflow.api.images import ImageError, ImageProcessing, process_images
+    from realflow.rollout.image_prompts import expand_prompt
+
+    grid = process_images([png(56, 56, 1), png(112, 84, 2)]).grid_thw  # 4 and 12 tokens
+    full = [1, VSTART] + [IMAGE] * 4 + [VEND, 5, VSTART] + [IMAGE] * 12 + [VEND]
+    assert expand_prompt([1, VSTART, IMAGE, VEND, 5, VSTART, IMAGE, VEND], grid, IMAGE, 2) == full
+    assert expand_prompt(full, grid, IMAGE, 2) == full
+    assert expand_prompt(full[:8] + [VSTART, IMAGE, VEND], grid, IMAGE, 2) == full  # spliced turn + a new image
+    with pytest.raises(ImageError, match=r"3 image placeholder token\(s\) .* 2 run\(s\) for 2 image\(s\) of 4\+12"):
+        expand_prompt([IMAGE, IMAGE, 5, IMAGE], grid, IMAGE, 2)
+    from realflow.api.generation import GenServerLimits
+
+    d, lim = ImageProcessing(), GenServerLimits()
+    assert (lim.min_pixels, lim.max_pixels) == (d.min_pixels, d.max_pixels)
+
+
+def test_trajectory_images_become_the_samples_image_keys():
+    from realflow.api.images import IMAGE_GRID, IMAGE_PIXELS
+    from realflow.api.rollout import RolloutError, Trajectory, rollout_to_batch
+
+    ids, images = build([1, 5], [png(56, 56, 1)], [7])
+    trajs = [Trajectory.single_turn(ids, [8, 9], [-0.1, -0.2], [0, 0], r, images=images) for r in (0.0, 1.0)]
+    batch = rollout_to_batch("s0", trajs, 0)
+    assert torch.equal(batch.data[IMAGE_PIXELS], images.pixel_values)
+    assert torch.equal(batch.data[IMAGE_GRID], images.grid_thw)
+    assert batch.seqlens[IMAGE_GRID] == [[1]] and batch.seqlens[IMAGE_PIXELS] == [[images.pixel_values.shape[0]]]
+    trajs[1].images = None
+    with pytest.raises(RolloutError, match="1 of 2 trajectories carry images"):
+        rollout_to_batch("s0", trajs, 0)

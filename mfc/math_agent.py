@@ -52,7 +52,8 @@ class MathAgent(Agent):
                   "stop_token_ids": eos_ids + [t for t in self.stop_token_ids if t not in eos_ids],
                   # behaviour log-probs of the distribution sampled from (tempered) unless T = 1
                   "logprob_mode": "raw" if self.temperature == 1.0 else "sampling"}
-        completions = await ctx.generate(row["prompt_ids"], params, n=self.n_samples)
+        images = {"image_data": row["image_data"]} if row.get("image_data") else {}  # a VL data set's row
+        completions = await ctx.generate(row["prompt_ids"], params, n=self.n_samples, **images)
         samples = [{"id": f"{row['id']}/{i}", "response": ctx.tokenizer.decode(c.output_ids, skip_special_tokens=True),
                     "answer": row.get("answer"), "truncated": c.truncated} for i, c in enumerate(completions)]
         rewards = await ctx.score(self.reward, samples, self.reward_args)

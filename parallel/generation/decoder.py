@@ -218,18 +218,29 @@ class Decoder:
     # ------------------------------------------------------------- forward
 
     @torch.inference_mode()
-    def prefill(self, ids: torch.Tensor, lens: torch.Tensor, cache: KVCache, slot0: int) -> torch.Tensor:
+    def prefill(self, ids: torch.Tensor, lens: torch.Tensor, cache: KVCache, slot0: int,
+                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                images: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """Right-padded prompts ``ids [J, P]`` into slots ``slot0..slot0+J-1``.
 
         Right padding needs no mask beyond causality: a real token only attends
         to earlier positions, which are all real.  Returns logits [J, V] at each
-        row's last real token.
+        row's last real token.  Vision-language models (:mod:`parallel.generation.vision`)
+        pass per-row ``rope`` cos/sin ``[J, P, hd]`` (M-RoPE) and ``images``: rows
+        ``(row, position)`` whose embeddings are replaced by the tower's ``features``.
         """
         s = self.spec
         J, P = ids.shape
         x = self._embed(ids)  # [J, P, h]
-        cos = self.cos[:P].view(1, P, 1, 1, -1)
-        sin = self.sin[:P].view(1, P, 1, 1, -1)
+        if images is not None:
+            rows_j, rows_p, feats = images
+            x[rows_j, rows_p] = feats.to(x.dtype)
+        if rope is None:
+            cos = self.cos[:P].view(1, P, 1, 1, -1)
+            sin = self.sin[:P].view(1, P, 1, 1, -1)
+        else:
+            cos = rope[0].view(J, P, 1, 1, -1)
+            sin = rope[1].view(J, P, 1, 1, -1)
         routing = rows = None
         if self.moe is not None:
             routing = self._new_routing(J * P, x.device)
@@ -254,8 +265,12 @@ class Decoder:
         return self.logits(last)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache,
+               rope_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One token per row (rows ``0..B-1`` = slots) at positions ``pos``; logits [B, V].
+
+        ``rope_pos`` (vision-language models): the rotary positions when they are not the
+        cache positions (``pos + delta`` after an image prompt; M-RoPE's three are equal then).
 
         Written for few ops per layer: RoPE is applied to q and k heads at once
         (they are adjacent in the fused qkv layout), the new k/v go into the
@@ -269,7 +284,7 @@ class Decoder:
         B, ng, rep, hd = tokens.shape[0], s.local_groups, self.rep, s.head_dim
         L = int(pos.max()) + 1
         x = self._embed(tokens)  # [B, h]
-        cos, sin = self.cos_sin[pos].view(B, 1, 2, 1, hd).unbind(2)
+        cos, sin = self.cos_sin[pos if rope_pos is None else rope_pos].view(B, 1, 2, 1, hd).unbind(2)
         k_idx, v_idx = cache.decode_index(pos)
         # additive mask for positions beyond each row's own, one row per query: [B*ng, rep, L]
         bias = torch.where(self._positions[:L] > pos[:, None], self._neg_inf, self._zero).to(x.dtype)

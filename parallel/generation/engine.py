@@ -13,6 +13,11 @@ the weight version of every token, and interruption:
   next step re-prefills prompt + output under the weights then in force and
   generation goes on, accumulating output, logprobs and versions.
 
+Vision-language models (Qwen2.5-VL): a request may carry its prompt's images
+(:class:`realflow.api.images.ImageInputs`, placeholders already expanded in its ids);
+:mod:`parallel.generation.vision` runs the tower at prefill and M-RoPE. Text models never
+reach that code.
+
 Under tensor parallelism every rank of ``tp_group`` must make the same calls
 in the same order (same requests, same seeds): the steps run in lockstep.
 Not thread-safe: one thread drives an engine (the gen server holds a lock).
@@ -35,9 +40,12 @@ from parallel.generation.weight_updates import WeightUpdatesMixin
 from parallel.generation.kv_budget import fit_slots, free_bytes, slot_bytes
 from parallel.generation.routing import RoutingBuffer, new_buffer, record_decode, record_prefill
 from parallel.generation.sampler import SampleBatch, sample
+from parallel.generation.vision import EngineVision, SeqImages, shared_tower, vision_tower_for
 from parallel.generation.weights import DecoderWeights, ModelSpec, load_hf_weights
+from parallel.vision import vision_arch
 from realflow.api.generation import (GenerationFailed, GenerationResult, SamplingParams, check_inference_memory,
                                      validate_input_ids)
+from realflow.api.images import ImageInputs
 from realflow.base.devices import worker_device
 
 __all__ = ["EngineConfig", "GenerationEngine"]
@@ -67,7 +75,7 @@ class EngineConfig:
 
 class _Seq:
     __slots__ = ("rid", "request_rid", "index", "prompt", "out", "logprobs", "versions", "params",
-                 "rng", "stop_ids", "stop_window", "samples", "truncates", "routed")
+                 "rng", "stop_ids", "stop_window", "samples", "truncates", "routed", "images")
 
     def __init__(self, rid: str, request_rid: str, index: int, prompt: list[int],
                  params: SamplingParams, seed: int, stop_ids: frozenset[int]) -> None:
@@ -84,6 +92,7 @@ class _Seq:
         self.samples = not params.greedy
         self.truncates = self.samples and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0)
         self.routed: Optional[RoutingBuffer] = None  # MoE routing record (parallel.generation.routing)
+        self.images: Optional[SeqImages] = None  # VL models: the prompt's images and M-RoPE positions
 
     def result(self, reason: dict[str, Any]) -> GenerationResult:
         routed = None if self.routed is None or self.routed.n == 0 else self.routed.array()  # 0: never ran
@@ -113,8 +122,9 @@ class GenerationEngine(WeightUpdatesMixin):
     def __init__(self, hf_config: Any, weights: Mapping[str, torch.Tensor],
                  config: Optional[EngineConfig] = None, *,
                  tp_group: Optional[dist.ProcessGroup] = None, tokenizer: Any = None,
-                 version: int = 0) -> None:
-        """``weights``: megatron LOCAL param name -> tensor (pp = 1); kept by reference."""
+                 version: int = 0, vision_tower: Optional[torch.nn.Module] = None) -> None:
+        """``weights``: megatron LOCAL param name -> tensor (pp = 1); kept by reference.
+        ``vision_tower``: a VL model's tower (transformers' module, kept by reference)."""
         self.config = (config or EngineConfig()).validate()
         self.hf_config = hf_config
         tp_rank, tp_size = _tp_info(tp_group)
@@ -124,6 +134,11 @@ class GenerationEngine(WeightUpdatesMixin):
         check_inference_memory(self.config.gpu_memory_utilization, self.config.max_model_len, ctx)
         self._max_context = self.config.max_model_len or ctx
         self.decoder = Decoder(self.weights, self._max_context, tp_group)
+        arch = vision_arch(hf_config)
+        if arch is not None and vision_tower is None:
+            raise ValueError(f"{arch.model_type}: a vision-language model needs its vision tower (vision_tower=...)")
+        self.vision: Optional[EngineVision] = None if arch is None else EngineVision(
+            arch, vision_tower, self.spec.head_dim, self.weights.device)
         dev = self.weights.device
         slots = fit_slots(self.config.max_running_requests,
                           slot_bytes(self.spec.num_layers, self.spec.local_groups, self.spec.head_dim,
@@ -150,6 +165,8 @@ class GenerationEngine(WeightUpdatesMixin):
         self._lp_sampling = torch.zeros(slots, dtype=torch.bool, device=dev)
         self._budget = torch.zeros(slots, dtype=torch.long, device=dev)  # tokens it may still add
         self._stops = torch.full((slots, 4), -1, dtype=torch.long, device=dev)  # stop ids, -1 pad
+        # VL models only: rotary position - cache position of every slot's next token (M-RoPE delta)
+        self._delta = None if self.vision is None else torch.zeros(slots, dtype=torch.long, device=dev)
         # 0-dim operands: a Python number costs a scalar-to-tensor wrap per op on CPU
         self._one = torch.tensor(1, dtype=torch.long, device=dev)
         self._zero = torch.tensor(0, dtype=torch.long, device=dev)
@@ -159,7 +176,7 @@ class GenerationEngine(WeightUpdatesMixin):
         self.nonfinite_requests = 0  # sequences failed for non-finite logits (see _accept)
         self.steps = 0
         self.busy_seconds = 0.0
-        self._staged: Optional[tuple[int, DecoderWeights]] = None  # see stage_weights_from_tensors
+        self._staged: Optional[tuple[int, DecoderWeights, Optional[dict]]] = None  # see stage_weights_from_tensors
         self.adapters = AdapterMerger("")  # LoRA updates merge into the base (set by from_hf)
         self.adapter_scaling: Optional[float] = None  # alpha / r of a LoRA run's adapter updates
 
@@ -183,19 +200,22 @@ class GenerationEngine(WeightUpdatesMixin):
         target = worker_device() if device is None else torch.device(device)
         if target.type != "cpu":
             weights = {k: v.to(target) for k, v in weights.items()}
-        engine = cls(hf_config, weights, config, tp_group=tp_group, tokenizer=tokenizer, version=version)
+        tower = vision_tower_for(hf_config, path, dtype, target)
+        engine = cls(hf_config, weights, config, tp_group=tp_group, tokenizer=tokenizer, version=version,
+                     vision_tower=tower)
         engine.adapters = AdapterMerger(path)
         return engine
 
     @classmethod
     def from_megatron(cls, engine: Any, config: Optional[EngineConfig] = None, *,
                       tokenizer: Any = None) -> "GenerationEngine":
-        """Share the parameters of a :class:`parallel.engine.MegatronEngine` (pp = 1)."""
+        """Share the parameters of a :class:`parallel.engine.MegatronEngine` (pp = 1), and a VL
+        model's vision tower (the module its GPTModel holds as ``visual``: shared, not copied)."""
         groups = engine.groups
         tp_group = groups.tp_group if groups.strategy.tp > 1 else None
         weights = engine.generation_weights()  # LoRA: merged copies of the adapted linears
-        return cls(engine.hf_config, weights, config,
-                   tp_group=tp_group, tokenizer=tokenizer, version=getattr(engine, "version", 0))
+        return cls(engine.hf_config, weights, config, tp_group=tp_group, tokenizer=tokenizer,
+                   version=getattr(engine, "version", 0), vision_tower=shared_tower(engine))
 
     # ------------------------------------------------------------ properties
 
@@ -217,6 +237,12 @@ class GenerationEngine(WeightUpdatesMixin):
         return self.spec.arch.vocab_size
 
     @property
+    def image_tokens(self) -> Optional[tuple[int, int]]:
+        """``(image_token_id, spatial merge size)`` of a VL model (how many placeholders an image
+        takes); None for a text model. Servers read it to expand and check prompts."""
+        return None if self.vision is None else (self.vision.image_token_id, self.vision.merge_size)
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 
@@ -229,9 +255,12 @@ class GenerationEngine(WeightUpdatesMixin):
 
     # ------------------------------------------------------------ requests
 
-    def add_request(self, rid: str, input_ids: Sequence[int], params: SamplingParams) -> list[str]:
+    def add_request(self, rid: str, input_ids: Sequence[int], params: SamplingParams,
+                    images: Optional[ImageInputs] = None) -> list[str]:
         """Queue a prompt; returns its sequence ids (``rid``, or ``rid-i`` for n > 1).
 
+        ``images`` (VL models): the prompt's images in order; ``input_ids`` hold each one's
+        expanded placeholders (:func:`realflow.api.images.expand_image_tokens`).
         Raises ValueError (and changes nothing) on a bad prompt or bad params.
         """
         if not isinstance(rid, str) or not rid:
@@ -247,6 +276,10 @@ class GenerationEngine(WeightUpdatesMixin):
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(f"sampling_params.stop_token_ids: {t} is not in [0, {self.vocab_size})")
+        if self.vision is not None:
+            seq_images = self.vision.prepare(prompt, images)
+        elif images is not None and images.num_images:
+            raise ValueError(f"this model ({self.spec.arch.model_type}) is text-only: it takes no images")
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         clash = [r for r in rids if r in self._ids]
         if clash:
@@ -259,6 +292,8 @@ class GenerationEngine(WeightUpdatesMixin):
         record = moe is not None and params.return_routed_experts is not False
         for i, r in enumerate(rids):
             seq = _Seq(r, rid, i, prompt, params, base + i, frozenset(stop_ids))
+            if self.vision is not None:
+                seq.images = seq_images
             if record:
                 seq.routed = new_buffer(self.decoder.routing_dtype, self.spec.num_layers, moe.topk,
                                         min(len(prompt) + params.max_new_tokens, self._max_context))
@@ -333,7 +368,8 @@ class GenerationEngine(WeightUpdatesMixin):
         if joined:
             self._prefill(n_old, joined, finished)
         if n_old:
-            logits = self.decoder.decode(self._last[:n_old], self._pos[:n_old], self.cache)
+            rope = None if self._delta is None else self._pos[:n_old] + self._delta[:n_old]
+            logits = self.decoder.decode(self._last[:n_old], self._pos[:n_old], self.cache, rope)
             if self.decoder.routing is not None:  # the fed token sits at len(prompt) + len(out) - 1
                 olds = self._running[:n_old]
                 record_decode([s.routed for s in olds], self.decoder.routing,
@@ -369,7 +405,12 @@ class GenerationEngine(WeightUpdatesMixin):
         dev = self._pos.device
         lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
         self._set_slots(row0, joined)
-        logits = self.decoder.prefill(ids.to(dev), lens_t, self.cache, row0)
+        rope = images = None
+        if self.vision is not None:
+            rope, images = self.vision.prefill_inputs([(s.images, len(s.out)) for s in joined], P,
+                                                      self.decoder.cos, self.decoder.sin)
+            self._delta[row0:row0 + len(seqs)] = torch.tensor([s.images.delta for s in joined], dtype=torch.long)
+        logits = self.decoder.prefill(ids.to(dev), lens_t, self.cache, row0, rope, images)
         if self.decoder.routing is not None:
             record_prefill([s.routed for s in joined], self.decoder.routing, lens)
         self._pos[row0:row0 + len(seqs)] = lens_t
@@ -401,8 +442,9 @@ class GenerationEngine(WeightUpdatesMixin):
         self._stops[rows] = table.to(dev)
 
     def _slot_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self._last, self._pos, self._temp, self._top_k, self._top_p, self._min_p, self._lp_sampling,
-                self._budget, self._stops)
+        state = (self._last, self._pos, self._temp, self._top_k, self._top_p, self._min_p, self._lp_sampling,
+                 self._budget, self._stops)
+        return state if self._delta is None else state + (self._delta,)
 
     def _row_flags(self, row0: int, B: int) -> "_RowFlags":
         """What rows ``row0..row0+B-1`` need beyond greedy decoding; cached until the running
@@ -519,15 +561,19 @@ class GenerationEngine(WeightUpdatesMixin):
     # ------------------------------------------------------------ helpers
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
-                 ) -> list[GenerationResult]:
-        """Run prompts to completion; results in prompt order (samples of a prompt by index)."""
+                 images: Optional[Sequence[Optional[ImageInputs]]] = None) -> list[GenerationResult]:
+        """Run prompts to completion; results in prompt order (samples of a prompt by index).
+        ``images``: each prompt's images (None for a text prompt), VL models only."""
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        ilist = list(images) if images is not None else [None] * len(prompts)
+        if len(ilist) != len(prompts):
+            raise ValueError(f"{len(ilist)} image entries for {len(prompts)} prompts")
         base = f"gen{self._rng.randrange(2 ** 32):08x}"
         order: dict[str, int] = {}
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            for r in self.add_request(f"{base}-{i}", p, sp):
+        for i, (p, sp, im) in enumerate(zip(prompts, plist, ilist)):
+            for r in self.add_request(f"{base}-{i}", p, sp, **({} if im is None else {"images": im})):
                 order[r] = len(order)
         results: list[GenerationResult] = []
         while len(results) < len(order):

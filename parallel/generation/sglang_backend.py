@@ -7,6 +7,14 @@ itself with ``python -m sglang.launch_server`` and
 :class:`realflow.rollout.gen_client.GenerationClient` talks to it unchanged.
 Imports are lazy: nothing here needs CUDA or sglang until it is used.  Not
 tested in CI (no GPU, no sglang on CPU machines).
+
+Vision-language models: ``/generate``'s ``image_data`` is SGLang's own field, so the client and
+the rollout controller send it unchanged (base64 / data URLs, one list per prompt). UNTESTED
+here: SGLang processes images with the model's ``preprocessor_config.json`` (it has no
+min/max-pixels flags), so that file's budget must equal ``rollout.server_limits.min_pixels`` /
+``max_pixels`` for the trainer to see the pixels SGLang saw, and whether SGLang takes prompts
+whose placeholders are already expanded (what realflow's rollout side sends) is to be checked
+on a GPU host.
 """
 from __future__ import annotations
 

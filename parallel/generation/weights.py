@@ -24,7 +24,7 @@ import torch
 from parallel.generation.moe import MoELayerWeights, moe_layer_shapes
 from parallel.hf_io import (CheckpointError, hf_to_mcore, param_table, read_hf_tensors,
                             tp_shard)
-from parallel.model_config import HFArch, hf_arch
+from parallel.model_config import HFArch, _get, hf_arch
 
 __all__ = ["ModelSpec", "LayerWeights", "DecoderWeights", "mcore_from_hf_tensors"]
 
@@ -35,8 +35,6 @@ _TE_ALIASES = {
 }
 
 
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
-    return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
 
 
 @dataclass(frozen=True)

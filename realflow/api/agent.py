@@ -48,6 +48,9 @@ class Completion:
     #: MoE policy: numpy ``[len(prompt_ids) + len(output_ids) - 1, layers, topk]`` expert ids
     #: (routing replay, :mod:`realflow.api.routing`); None for dense models
     routed_experts: Any = None
+    #: vision-language policy: the prompt's images (:class:`realflow.api.images.ImageInputs`, their
+    #: placeholders expanded in ``prompt_ids``); None for text prompts
+    images: Any = None
 
     @property
     def truncated(self) -> bool:
@@ -55,7 +58,8 @@ class Completion:
 
     def trajectory(self, reward: float) -> Trajectory:
         return Trajectory.single_turn(self.prompt_ids, self.output_ids, self.logprobs, self.versions,
-                                      reward, truncated=self.truncated, routed_experts=self.routed_experts)
+                                      reward, truncated=self.truncated, routed_experts=self.routed_experts,
+                                      images=self.images)
 
 
 class AgentContext(Protocol):
@@ -65,8 +69,11 @@ class AgentContext(Protocol):
     seed: int  # reproducible per (run seed, row)
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any],
-                       n: int = 1) -> list[Completion]:
-        """``n`` completions of ``input_ids`` (SGLang ``sampling_params`` names)."""
+                       n: int = 1, image_data: Optional[Sequence[Any]] = None) -> list[Completion]:
+        """``n`` completions of ``input_ids`` (SGLang ``sampling_params`` names). ``image_data``
+        (vision-language policies): the prompt's images in order (encoded bytes, base64 or data
+        URLs), their placeholders in ``input_ids`` one per image or expanded; the completions'
+        ``prompt_ids`` are expanded and their ``images`` carry what the trainer needs."""
         ...
 
     async def score(self, reward: str, samples: Sequence[dict[str, Any]],

@@ -49,6 +49,7 @@ class RecordedCompletion:
     reward: Optional[float] = None  # set by the agent through the proxy
     info: dict[str, Any] = field(default_factory=dict)
     routed_experts: Any = None  # MoE policy: [prompt + output - 1, layers, topk] (realflow.api.routing)
+    images: Any = None  # VL policy: ImageInputs of the images in prompt_ids (realflow.api.images)
 
     @property
     def truncated(self) -> bool:
@@ -81,7 +82,7 @@ def _completion_mode(recs: Sequence[RecordedCompletion], reward: Optional[float]
     trajs = []
     for r, R in zip(recs, out):
         t = Trajectory.single_turn(r.prompt_ids, r.output_ids, r.logprobs, r.versions, R, truncated=r.truncated,
-                                   routed_experts=r.routed_experts)
+                                   routed_experts=r.routed_experts, images=r.images)
         t.info = {"completion": r.id, "choice": r.choice, "turn": r.order}
         trajs.append(t)
     return trajs
@@ -112,7 +113,7 @@ def _conversation_mode(recs: Sequence[RecordedCompletion], by_order: dict[int, R
         # the leaf's prompt is the whole conversation before its output: its routing covers every token
         t = Trajectory(ids, gen, lps, vers, total, truncated=leaf.truncated,
                        info={"completions": [c.id for c in chain], "turns": len(chain)},
-                       routed_experts=leaf.routed_experts)
+                       routed_experts=leaf.routed_experts, images=leaf.images)
         trajs.append(t)
     return trajs
 

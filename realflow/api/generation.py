@@ -317,12 +317,22 @@ class GenServerLimits:
     max_body_bytes: int = field(default=64 << 20, metadata={"help": "HTTP request body size (413 above)"})
     max_queued_tokens: int = field(default=16 << 20, metadata={
         "help": "prompt + new tokens of all sequences waiting or running; a request past it gets 429"})
+    # the image processor's pixel budget for /generate's image_data (vision-language models): the same
+    # as the data set's (dataset.min_pixels / max_pixels), so that the trainer sees the images the
+    # server generated from. Defaults: realflow.api.images.ImageProcessing's (a test holds them equal;
+    # not imported: that module needs torch, this one stays cheap for the config parser)
+    min_pixels: int = field(default=56 * 56, metadata={
+        "help": "images are resized to at least this many pixels (VL models' image_data)"})
+    max_pixels: int = field(default=28 * 28 * 1280, metadata={
+        "help": "images are resized to at most this many pixels (VL models' image_data)"})
 
     def validate(self) -> "GenServerLimits":
-        for name in ("max_sequences_per_request", "max_body_bytes", "max_queued_tokens"):
+        for name in ("max_sequences_per_request", "max_body_bytes", "max_queued_tokens", "min_pixels", "max_pixels"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{name}={v!r}: must be an integer >= 1")
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"min_pixels={self.min_pixels} is above max_pixels={self.max_pixels}")
         for name in ("max_new_tokens", "max_prompt_tokens"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):

@@ -24,6 +24,7 @@ import torch
 
 from realflow.api.batch import SequenceBatch
 from realflow.api.generation import GenServerLimits, check_inference_memory
+from realflow.api.images import IMAGE_GRID, IMAGE_PIXELS
 from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REWARDS, ROUTED_EXPERTS, VERSIONS
 from realflow.api.routing import routed_experts_tensor
 
@@ -33,8 +34,9 @@ __all__ = ["RolloutSpec", "Trajectory", "rollout_to_batch", "TRAJECTORY_KEYS", "
 
 #: tensor keys of every trajectory sample (the async graph's source keys)
 TRAJECTORY_KEYS = (INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, VERSIONS)
-#: tensor keys of the trajectories of some models only: an MoE policy's routed experts (R3)
-OPTIONAL_TRAJECTORY_KEYS = (ROUTED_EXPERTS,)
+#: tensor keys of the trajectories of some models only: an MoE policy's routed experts (R3), a
+#: vision-language policy's prompt images (one sequence per sample: realflow.api.images)
+OPTIONAL_TRAJECTORY_KEYS = (ROUTED_EXPERTS, IMAGE_PIXELS, IMAGE_GRID)
 #: metadata: the weight version when the rollout was admitted, and of its oldest / newest token
 VERSION_ADMIT, VERSION_OLDEST, VERSION_NEWEST = "version_admit", "version_oldest", "version_newest"
 WEIGHT_SYNC_MODES = ("memory", "broadcast", "disk")
@@ -156,6 +158,11 @@ class Trajectory:
     ``routed_experts`` (MoE policies, routing replay): expert ids ``[len(input_ids) - 1, layers,
     topk]`` as the generator returned them for the whole sequence (a multi-turn trajectory takes
     its last completion's, which covers every earlier token), or ``[len(input_ids), ...]``.
+
+    ``images`` (vision-language policies): the :class:`realflow.api.images.ImageInputs` of the
+    images in ``input_ids``, in order (their placeholders expanded in ``input_ids``); every
+    trajectory of a rollout shows the same images. They become the sample's ``pixel_values`` /
+    ``image_grid_thw`` (:func:`rollout_to_batch`).
     """
 
     input_ids: list[int]
@@ -166,15 +173,16 @@ class Trajectory:
     truncated: bool = False  # ended by the length limit, not by EOS / a stop
     info: dict[str, Any] = field(default_factory=dict)
     routed_experts: Any = None  # numpy [len(input_ids) - 1, layers, topk] (see the class docstring)
+    images: Any = None  # ImageInputs of the images in input_ids (see the class docstring)
 
     @classmethod
     def single_turn(cls, prompt_ids: Sequence[int], output_ids: Sequence[int], logprobs: Sequence[float],
                     versions: Sequence[int], reward: float, truncated: bool = False,
-                    routed_experts: Any = None) -> "Trajectory":
+                    routed_experts: Any = None, images: Any = None) -> "Trajectory":
         n_p, n_o = len(prompt_ids), len(output_ids)
         return cls(list(prompt_ids) + list(output_ids), [False] * n_p + [True] * n_o,
                    [0.0] * n_p + list(logprobs), [-1] * n_p + list(versions), float(reward), truncated,
-                   routed_experts=routed_experts)
+                   routed_experts=routed_experts, images=images)
 
     def check(self, where: str) -> None:
         n = len(self.input_ids)
@@ -235,4 +243,21 @@ def rollout_to_batch(sample_id: str, trajectories: Sequence[Trajectory], version
             VERSIONS: [vers]}
     if with_routing:
         data[ROUTED_EXPERTS] = [routed]
+    images = _rollout_images(sample_id, trajectories)
+    if images is not None:
+        data[IMAGE_PIXELS] = [images.pixel_values.to(torch.float32)]
+        data[IMAGE_GRID] = [images.grid_thw.to(torch.int64)]
     return SequenceBatch.from_samples([sample_id], data, metadata=meta)
+
+
+def _rollout_images(sample_id: str, trajectories: Sequence[Trajectory]) -> Any:
+    """The images every trajectory of a rollout shows (one sequence per sample), or None."""
+    with_images = [t.images for t in trajectories if t.images is not None and t.images.num_images]
+    if not with_images:
+        return None
+    first = with_images[0]
+    if len(with_images) != len(trajectories) or any(
+            not torch.equal(im.grid_thw, first.grid_thw) for im in with_images[1:]):
+        raise RolloutError(f"rollout {sample_id}: {len(with_images)} of {len(trajectories)} trajectories carry "
+                           f"images, not all the same (a rollout's trajectories share its prompt's images)")
+    return first

@@ -15,6 +15,7 @@ Tool calls use the Hermes / Qwen format every open chat template uses:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -23,7 +24,8 @@ from typing import Any, Optional, Sequence
 
 from realflow.data.chat_render import render_chat_text
 
-__all__ = ["PLAIN_CHAT_TEMPLATE", "ChatTokenizer", "parse_tool_calls", "normalize_messages", "Spliced"]
+__all__ = ["PLAIN_CHAT_TEMPLATE", "ChatTokenizer", "parse_tool_calls", "normalize_messages", "message_images",
+           "Spliced"]
 
 #: For tokenizers without a chat template (the task tokenizers of the CPU defaults):
 #: turns are concatenated as the models were trained (prompt, answer, eos), tools are
@@ -74,13 +76,32 @@ def _arguments(a: Any) -> Any:
     return a
 
 
+def _image_url(part: dict[str, Any]) -> str:
+    u = part.get("image_url")
+    return u.get("url", "") if isinstance(u, dict) else str(u or "")
+
+
+def message_images(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """The data URLs of every ``image_url`` part, in the order the template renders them."""
+    return [_image_url(p) for m in messages if isinstance(m.get("content"), list)
+            for p in m["content"] if isinstance(p, dict) and p.get("type") == "image_url"]
+
+
 def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages as templates expect them: text content (parts joined), tool-call arguments as objects."""
+    """Messages as templates expect them: text content (parts joined), tool-call arguments as objects.
+
+    A message with images keeps its parts, each image as ``{"type": "image"}`` (what vision-language
+    chat templates render as the image's placeholder; Qwen2.5-VL's: ``<|vision_start|><|image_pad|>
+    <|vision_end|>``) with the digest of its data, so that splicing never matches another image."""
     out = []
     for m in messages:
         m = dict(m)
         c = m.get("content")
-        if isinstance(c, list):  # [{"type": "text", "text": ...}, ...]
+        if isinstance(c, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in c):
+            m["content"] = [{"type": "image", "image_digest": hashlib.sha1(_image_url(p).encode()).hexdigest()}
+                            if p.get("type") == "image_url" else {"type": "text", "text": p.get("text", "")}
+                            for p in c if isinstance(p, dict)]
+        elif isinstance(c, list):  # [{"type": "text", "text": ...}, ...]
             m["content"] = "".join(p.get("text", "") for p in c if isinstance(p, dict))
         if m.get("tool_calls"):
             m["tool_calls"] = [{"id": tc.get("id"), "type": "function",

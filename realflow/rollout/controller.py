@@ -406,10 +406,13 @@ def build_controller_app(ctl: RolloutController, api_key: Optional[str]) -> web.
             raise BodyError(f"sampling_params.n={n!r}: must be an integer in [1, {most}]")
         rid = str(body.get("rid") or f"req{id(body)}")
         seed = params.get("seed")
+        images = body.get("image_data")  # VL policies: the prompt's images, base64 / data URLs (servers check them)
+        if images is not None and (not isinstance(images, list) or not all(isinstance(x, str) and x for x in images)):
+            raise BodyError("image_data must be a list of base64 images or data: URLs")
 
         async def one(i: int):
             p = dict(params) if seed is None else dict(params, seed=int(seed) + i)
-            return await ctl.pool.complete(f"{rid}-{i}", prompt, p)
+            return await ctl.pool.complete(f"{rid}-{i}", prompt, p, images)
         results = await asyncio.gather(*(one(i) for i in range(n)))
         return web.json_response([{"prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
                                    "logprobs": r.logprobs, "versions": r.versions,

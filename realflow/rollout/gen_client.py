@@ -14,7 +14,21 @@ from typing import Any, Mapping, Optional, Sequence
 
 import requests
 
-__all__ = ["GenerationClient", "GenerationServerError", "parse_prometheus"]
+__all__ = ["GenerationClient", "GenerationServerError", "parse_prometheus", "encode_image_data"]
+
+
+def encode_image_data(data: Any) -> Any:
+    """``image_data`` as JSON carries it: bytes become base64 strings, lists stay lists (nested
+    once: a batch's per-prompt lists), strings and None pass unchanged."""
+    import base64
+
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(data)).decode("ascii")
+    if isinstance(data, (list, tuple)):
+        return [encode_image_data(d) for d in data]
+    if data is None or isinstance(data, str):
+        return data
+    raise TypeError(f"image_data: an image must be bytes, a base64 string or a data URL, got {type(data).__name__}")
 
 
 class GenerationServerError(RuntimeError):
@@ -114,11 +128,15 @@ class GenerationClient:
     def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]],
                  sampling_params: Optional[Mapping[str, Any] | Sequence[Mapping[str, Any]]] = None,
                  return_logprob: bool = True, rid: Optional[str | list[str]] = None,
-                 timeout: Optional[float] = None, return_routed_experts: Optional[bool] = None) -> Any:
+                 timeout: Optional[float] = None, return_routed_experts: Optional[bool] = None,
+                 image_data: Any = None) -> Any:
         """SGLang ``/generate``: an object for one prompt with n == 1, else a list.
 
         ``return_routed_experts`` (MoE models; None: the server's default) asks for
-        ``meta_info["routed_experts"]``, read with :func:`realflow.api.routing.decode_routed_experts`."""
+        ``meta_info["routed_experts"]``, read with :func:`realflow.api.routing.decode_routed_experts`.
+        ``image_data`` (vision-language models): one prompt's images (an image or a list), or for a
+        batch one entry per prompt (an image, a list, or None); an image is encoded bytes (sent as
+        base64), a base64 string or a data URL (:func:`encode_image_data`)."""
         body: dict[str, Any] = {"input_ids": [list(map(int, p)) for p in input_ids]
                                 if input_ids and not isinstance(input_ids[0], int)
                                 else list(map(int, input_ids)),
@@ -131,6 +149,8 @@ class GenerationClient:
             body["rid"] = rid
         if return_routed_experts is not None:
             body["return_routed_experts"] = bool(return_routed_experts)
+        if image_data is not None:
+            body["image_data"] = encode_image_data(image_data)
         return self._call("POST", "/generate", body,
                           timeout if timeout is not None else self.generate_timeout, wait_if_full=True)
 

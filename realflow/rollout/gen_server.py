@@ -15,6 +15,9 @@ Endpoints (JSON in and out; bad input -> 4xx ``{"error": message}``):
   ``return_routed_experts`` (bool, SGLang's request flag; default: on for MoE models) adds
   ``routed_experts`` (base64, as SGLang) with ``routed_experts_shape`` ``[prompt + output - 1,
   layers, topk]`` and ``routed_experts_dtype`` (:mod:`realflow.api.routing`).
+  ``image_data`` (vision-language models, SGLang's field): each prompt's images, base64 or
+  data URLs, with one ``image_token_id`` per image in ``input_ids`` or every image's expanded
+  placeholders (:mod:`.gen_server_images`); a text model answers 400.
 * ``POST /update_weights_from_disk`` ``{model_path, weight_version?}``.
 * ``POST /update_weights_from_tensor`` ``{shm_handle, format: hf|megatron,
   weight_version?, unlink?}``: the handle of :func:`realflow.comm.shm.put_tensors`
@@ -73,6 +76,7 @@ from realflow.api.generation import (PAUSE_MODES, BackendConfig, ExternalServerB
                                      generation_backends)
 from realflow.base.fault_injection import fault_point
 from realflow.plugins import load_plugins
+from realflow.rollout.gen_server_images import parse_image_data, prepare_images
 from realflow.rollout.gen_server_state import BadRequest, GenServer, Overloaded
 from realflow.rollout.gen_server_weight_group import weight_group_routes
 from realflow.rollout.request_log import RequestLog
@@ -107,7 +111,8 @@ async def _json(request: web.Request) -> dict[str, Any]:
 
 
 def _parse_generate(body: dict[str, Any]) -> tuple[list[Any], list[SamplingParams], list[str], bool, bool]:
-    known = {"input_ids", "sampling_params", "return_logprob", "rid", "stream", "text", "return_routed_experts"}
+    known = {"input_ids", "sampling_params", "return_logprob", "rid", "stream", "text", "return_routed_experts",
+             "image_data"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise BadRequest(f"unknown field(s) {unknown} (known: {sorted(known)})")
@@ -224,8 +229,16 @@ def build_app(server: GenServer, api_key: Optional[str] = None, bind_host: str =
 
     async def generate(request: web.Request) -> web.Response:
         fault_point("generate")  # (tests only: realflow.base.fault_injection)
-        prompts, params, rids, ret_lp, one_object = _parse_generate(await _json(request))
-        waiters = await server.submit(prompts, params, rids)
+        body = await _json(request)
+        prompts, params, rids, ret_lp, one_object = _parse_generate(body)
+        images = None
+        sources = parse_image_data(body, len(prompts), not isinstance(body["input_ids"][0], list))
+        if sources is not None:
+            lim = server.admission.limits
+            prompts, images = await asyncio.to_thread(
+                prepare_images, prompts, sources, getattr(server.backend, "image_tokens", None),
+                lim.min_pixels, lim.max_pixels)
+        waiters = await server.submit(prompts, params, rids, images)
         try:
             groups = await asyncio.gather(*(w.future for w in waiters))
         except asyncio.CancelledError:  # client went away: free the batch slots

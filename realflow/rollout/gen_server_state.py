@@ -282,9 +282,10 @@ class GenServer:
 
     # ------------------------------------------------------------ operations (event loop)
 
-    async def submit(self, prompts: list[Any], params: list[SamplingParams], rids: list[str]
-                     ) -> list[_Pending]:
+    async def submit(self, prompts: list[Any], params: list[SamplingParams], rids: list[str],
+                     images: Optional[list[Any]] = None) -> list[_Pending]:
         """Add every prompt or none (a bad one aborts those already added); returns the waiters.
+        ``images``: each prompt's ``ImageInputs`` or None (vision-language backends).
 
         Bounds are checked and queued tokens reserved on the event loop, without the
         backend lock: a request over a bound (:class:`BadRequest`) or past the queue
@@ -308,8 +309,10 @@ class GenServer:
                         raise BadRequest(f"rid {clash[0]!r} is already in use")
                     self.pending.update(zip(rids, waiters))
                 for i, (ids, sp, rid, w) in enumerate(zip(prompts, params, rids, waiters)):
+                    img = None if images is None else images[i]
                     try:
-                        w.expected = len(self.backend.add_request(rid, ids, sp))
+                        w.expected = len(self.backend.add_request(rid, ids, sp) if img is None
+                                         else self.backend.add_request(rid, ids, sp, images=img))
                     except ValueError as e:
                         where = f"input_ids[{i}]: " if len(prompts) > 1 else ""
                         raise BadRequest(where + str(e)) from None

@@ -17,6 +17,13 @@ generation requests go through the rollout controller, so they are routed, bound
 and resumed across weight updates like any other. Streaming responses are sent once
 the completion is finished (token-sized deltas): generation may be interrupted and
 resumed under new weights, and a client must only ever see tokens that stay.
+
+Vision-language policies (``ProxyConfig.image_token_id`` set): chat messages may hold
+``{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}`` parts (data URLs
+only: workers fetch nothing). The chat template renders each as the model's image placeholder,
+the proxy expands it to the image's feature count with the servers' pixel budget, and the images
+go to generation beside the ids (``GenerateFn``'s ``image_data``); the recorded completion keeps
+them (``images``) for the trainer. A text model answers images with a 400.
 """
 from __future__ import annotations
 
@@ -33,15 +40,16 @@ from aiohttp import web
 
 from realflow.api.agent import Completion
 from realflow.api.agent_session import RecordedCompletion
-from realflow.rollout.chat_tokens import ChatTokenizer, normalize_messages, parse_tool_calls
+from realflow.rollout.chat_tokens import ChatTokenizer, message_images, normalize_messages, parse_tool_calls
 from realflow.rollout.openai_requests import APIError, ChatRequest, CompletionRequest, parse_chat, parse_completion
 
 __all__ = ["OpenAIProxy", "ProxyConfig", "ProxySession", "UpstreamError", "GenerateFn"]
 
 logger = logging.getLogger("realflow.rollout.proxy")
 
-#: (input_ids, sampling_params, n, request id) -> n completions
-GenerateFn = Callable[[list[int], dict[str, Any], int, str], Awaitable[list[Completion]]]
+#: (input_ids, sampling_params, n, request id) -> n completions; called with ``image_data=[...]`` (base64 /
+#: data URLs, in prompt order) too when the prompt has images
+GenerateFn = Callable[..., Awaitable[list[Completion]]]
 
 
 class UpstreamError(Exception):
@@ -60,6 +68,12 @@ class ProxyConfig:
     max_n: int = 64
     max_completions_per_session: int = 1024
     max_body_bytes: int = 8 << 20
+    # vision-language policy: its image placeholder token and spatial merge size (None: a text model,
+    # which refuses images), and the servers' pixel budget (None: realflow.api.images.ImageProcessing's)
+    image_token_id: Optional[int] = None
+    image_merge_size: int = 2
+    min_pixels: Optional[int] = None
+    max_pixels: Optional[int] = None
 
 
 @dataclass
@@ -203,14 +217,31 @@ class OpenAIProxy:
                 # behaviour log-probs of the distribution sampled from (tempered) unless T = 1
                 "logprob_mode": "raw" if req.temperature == 1.0 else "sampling"}
 
+    async def _images(self, ids: list[int], urls: list[str]) -> tuple[list[int], Any]:
+        """(expanded ids, ImageInputs) of a chat prompt with images, or a 400 saying why not."""
+        from realflow.api.images import ImageError, ImageProcessing
+        from realflow.rollout.image_prompts import prompt_images
+
+        cfg = self.cfg
+        if cfg.image_token_id is None:
+            raise APIError(400, "this model is text-only: image_url parts are not accepted", param="messages")
+        d = ImageProcessing()
+        processing = ImageProcessing(min_pixels=cfg.min_pixels or d.min_pixels, max_pixels=cfg.max_pixels or d.max_pixels)
+        try:
+            return await asyncio.to_thread(prompt_images, ids, urls, (cfg.image_token_id, cfg.image_merge_size),
+                                           processing)
+        except ImageError as e:
+            raise APIError(400, f"images of these messages: {e}", param="messages") from None
+
     async def _run(self, s: ProxySession, req: Any, prompt_ids: list[int], parent: Optional[int],
-                   kind: str) -> tuple[str, list[RecordedCompletion]]:
+                   kind: str, images: Optional[tuple[Any, list[str]]] = None) -> tuple[str, list[RecordedCompletion]]:
         if len(s.records) + req.n > self.cfg.max_completions_per_session:
             raise APIError(429, f"this session reached max_completions_per_session="
                                 f"{self.cfg.max_completions_per_session}", code="session_limit")
         params = self._sampling(s, req)
         rid = f"{kind}-{uuid.uuid4().hex[:20]}"
-        task = asyncio.ensure_future(self.generate(prompt_ids, params, req.n, rid))
+        extra = {} if images is None else {"image_data": images[1]}
+        task = asyncio.ensure_future(self.generate(prompt_ids, params, req.n, rid, **extra))
         s.inflight.add(task)
         try:
             outs = await task
@@ -229,7 +260,8 @@ class OpenAIProxy:
             recs.append(RecordedCompletion(id=rid, choice=i, order=len(s.records), prompt_ids=list(c.prompt_ids),
                                            output_ids=list(c.output_ids), logprobs=list(c.logprobs),
                                            versions=list(c.versions), finish_reason=c.finish_reason,
-                                           parent=parent, routed_experts=c.routed_experts))
+                                           parent=parent, routed_experts=c.routed_experts,
+                                           images=None if images is None else images[0]))
             s.records.append(recs[-1])
         return rid, recs
 
@@ -265,7 +297,12 @@ class OpenAIProxy:
             raise APIError(400, f"the chat template could not render these messages: {e}",
                            param="messages") from None
         sp = self.chat.splice_chat(messages, tools, text, s.turns)
-        rid, recs = await self._run(s, req, sp.ids, sp.parent, "chatcmpl")
+        ids, images = sp.ids, None
+        urls = message_images(req.messages)
+        if urls:
+            ids, pixels = await self._images(ids, urls)
+            images = (pixels, urls)
+        rid, recs = await self._run(s, req, ids, sp.parent, "chatcmpl", images)
         choices = []
         for rec in recs:
             visible, finish = self._visible(rec, req.stop)

@@ -156,8 +156,12 @@ def _message(i: int, m: Any) -> dict[str, Any]:
         raise APIError(400, f"Missing required parameter: '{where}.content'", param=f"{where}.content")
     if content is not None and not isinstance(content, (str, list)):
         raise _bad(f"{where}.content", "expected a string or a list of text parts")
-    if isinstance(content, list) and not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        raise _bad(f"{where}.content", "only text parts are supported")
+    if isinstance(content, list):
+        for j, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") not in ("text", "image_url"):
+                raise _bad(f"{where}.content[{j}]", "only text and image_url parts are supported")
+            if p["type"] == "image_url":
+                _image_url(f"{where}.content[{j}].image_url", p.get("image_url"))
     for j, tc in enumerate(m.get("tool_calls") or []):
         fn = tc.get("function") if isinstance(tc, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -165,6 +169,16 @@ def _message(i: int, m: Any) -> dict[str, Any]:
     if role == "developer":
         m = dict(m, role="system")
     return m
+
+
+def _image_url(where: str, part: Any) -> None:
+    """An ``image_url`` part must carry its image (workers have no network to fetch one)."""
+    url = part.get("url") if isinstance(part, dict) else part
+    if not isinstance(url, str) or not url:
+        raise _bad(f"{where}.url", "expected a data: URL (data:image/png;base64,...)")
+    if not url.startswith("data:"):
+        raise _bad(f"{where}.url", f"only data: URLs are accepted (the policy's workers fetch no URL), got "
+                                   f"{url[:40]!r}")
 
 
 def parse_chat(body: Any, served: str, max_n: int) -> ChatRequest:

@@ -159,13 +159,17 @@ class _Context:
         self._n = itertools.count()
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any],
-                       n: int = 1) -> list[Completion]:
-        body = {"input_ids": list(map(int, input_ids)), "sampling_params": dict(sampling_params, n=n),
-                "rid": f"{self._rid}-g{next(self._n)}"}
+                       n: int = 1, image_data: Optional[Sequence[Any]] = None) -> list[Completion]:
+        body: dict[str, Any] = {"input_ids": list(map(int, input_ids)), "sampling_params": dict(sampling_params, n=n),
+                                "rid": f"{self._rid}-g{next(self._n)}"}
+        images = None
+        if image_data:  # VL policy: expanded ids and the trainer's pixels, made here as the server makes them
+            body["input_ids"], images, body["image_data"] = await asyncio.to_thread(self._w.prompt_images,
+                                                                                    input_ids, image_data)
         out = await self._w.controller_call("/generate", body, timeout=self._w.spec.request_timeout_s)
         return [Completion(r["prompt_ids"], r["output_ids"], r["logprobs"], r["versions"], r["finish_reason"],
                            info={"resubmits": r["resubmits"], "servers": r["servers"]},
-                           routed_experts=_routed(r)) for r in out]
+                           routed_experts=_routed(r), images=images) for r in out]
 
     async def score(self, reward: str, samples: Sequence[dict[str, Any]],
                     args: Optional[dict[str, Any]] = None) -> list[float]:
@@ -224,6 +228,15 @@ class RolloutWorker:
                 opts = dict(getattr(self.agent, "proxy_options", {}) or {})
                 if self.spec.dataset_args.get("chat_template_text"):  # dataset.chat_template=PATH.jinja
                     opts.setdefault("chat_template", self.spec.dataset_args["chat_template_text"])
+                from realflow.rollout.image_prompts import image_tokens_of
+
+                tokens = image_tokens_of(self.spec.model_path)
+                if tokens is not None:  # a VL policy: image_url parts, expanded as the servers expand them
+                    lim = self.spec.server_limits
+                    opts.setdefault("image_token_id", tokens[0])
+                    opts.setdefault("image_merge_size", tokens[1])
+                    opts.setdefault("min_pixels", lim.min_pixels)
+                    opts.setdefault("max_pixels", lim.max_pixels)
                 try:
                     cfg = ProxyConfig(**opts)
                 except TypeError as e:
@@ -234,10 +247,14 @@ class RolloutWorker:
                 self.openai_proxy = proxy
         return self.openai_proxy
 
-    async def _proxy_generate(self, input_ids: list[int], params: dict[str, Any], n: int, rid: str) -> list:
+    async def _proxy_generate(self, input_ids: list[int], params: dict[str, Any], n: int, rid: str,
+                              image_data: Optional[list[str]] = None) -> list:
         from realflow.rollout.openai_proxy import UpstreamError
 
-        body = {"input_ids": list(map(int, input_ids)), "sampling_params": dict(params, n=n), "rid": rid}
+        body: dict[str, Any] = {"input_ids": list(map(int, input_ids)), "sampling_params": dict(params, n=n),
+                                "rid": rid}
+        if image_data:  # the proxy expanded the ids; servers check them against these images
+            body["image_data"] = list(image_data)
         try:
             out = await self.controller_call("/generate", body, timeout=self.spec.request_timeout_s)
         except ControllerError as e:
@@ -247,6 +264,17 @@ class RolloutWorker:
         return [Completion(r["prompt_ids"], r["output_ids"], r["logprobs"], r["versions"], r["finish_reason"],
                            info={"resubmits": r["resubmits"], "servers": r["servers"]},
                            routed_experts=_routed(r)) for r in out]
+
+    def prompt_images(self, ids: Sequence[int], sources: Sequence[Any]) -> tuple[list[int], Any, list[str]]:
+        """(expanded ids, ImageInputs, wire form) of an image prompt, with the servers' pixel budget
+        (``rollout.server_limits.min_pixels`` / ``max_pixels``): the trainer sees the pixels they saw."""
+        from realflow.api.images import ImageProcessing
+        from realflow.rollout.image_prompts import image_tokens_of, prompt_images, wire_images
+
+        lim = self.spec.server_limits
+        tokens = image_tokens_of(self.spec.model_path)
+        expanded, images = prompt_images(ids, sources, tokens, ImageProcessing(lim.min_pixels, lim.max_pixels))
+        return expanded, images, wire_images(sources)
 
     def _load_rows(self) -> list:
         spec = self.spec  # tokenized exactly as the trainer's data sets are (one rendering: chat_render)
@@ -320,6 +348,8 @@ class RolloutWorker:
         ok, err, timed_out, filtered = False, "", False, False
         try:
             data = {"id": sid, "prompt_ids": list(row.prompt_ids), "answer": row.answer, **dict(row.meta)}
+            if getattr(row, "image_data", None):  # a VL data set's encoded images (agents pass them to ctx.generate)
+                data["image_data"] = list(row.image_data)
             # not wait_for: an agent's own TimeoutError (a RewardTimeout) must not read as its timeout
             task = asyncio.ensure_future(self.agent.run(data, _Context(self, seed, sid)))
             try:

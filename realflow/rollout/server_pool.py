@@ -230,8 +230,10 @@ class ServerPool:
 
     # ------------------------------------------------------------ generation
 
-    async def complete(self, rid: str, prompt_ids: list[int], params: dict[str, Any]) -> Completed:
-        """Generate one sequence to its end, across interruptions and server failures."""
+    async def complete(self, rid: str, prompt_ids: list[int], params: dict[str, Any],
+                       image_data: Optional[list[str]] = None) -> Completed:
+        """Generate one sequence to its end, across interruptions and server failures.
+        ``image_data`` (VL policies: base64 / data URLs) goes with every (re)submission."""
         out = Completed(list(prompt_ids))
         budget = int(params.get("max_new_tokens", 128))
         base_seed = params.get("seed")
@@ -254,6 +256,8 @@ class ServerPool:
                     body["lora_path"] = self.lora_name
                 if self.moe_routing is not None:
                     body["return_routed_experts"] = True
+                if image_data:
+                    body["image_data"] = list(image_data)
                 res = await self.call(server, "/generate", body, timeout=self.request_timeout)
             except (aiohttp.ClientConnectionError, ConnectionError):
                 self.requests_failed_over += 1

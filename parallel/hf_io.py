@@ -87,8 +87,9 @@ class ParamMapping:
         return self.hf_shapes[0]
 
 
-def param_table(hf_config: Any, arch: HFArch) -> list[ParamMapping]:
-    """Mapping table for the whole model (global layer indices, tp = 1 shapes)."""
+def param_table(hf_config: Any, arch: HFArch, *, vision: bool = True) -> list[ParamMapping]:
+    """Mapping table for the whole model (global layer indices, tp = 1 shapes); ``vision=False``
+    leaves a VL model's tower out (the generation engine keeps the tower as its own module)."""
     from parallel.model_config import _get
 
     def g(k: str, d: Any = None) -> Any:
@@ -133,7 +134,7 @@ def param_table(hf_config: Any, arch: HFArch) -> list[ParamMapping]:
     if not arch.tie_word_embeddings:
         table.append(ParamMapping("output_layer.weight", ("lm_head.weight",),
                                   ((arch.vocab_size, hidden),), "vocab", 0))
-    if arch.vision is not None:
+    if arch.vision is not None and vision:
         table.extend(vision_rows(hf_config))
     return table
 

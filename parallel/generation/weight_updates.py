@@ -114,7 +114,7 @@ class WeightUpdatesMixin:
     def hf_weight_groups(self) -> list[list[str]]:
         """HF names that convert together (a fused entry needs all of its HF tensors in one
         update): a delta update that changed one of them hands the engine its partners too."""
-        groups = [list(e.hf_names) for e in param_table(self.hf_config, self.spec.arch)]
+        groups = [list(e.hf_names) for e in param_table(self.hf_config, self.spec.arch, vision=False)]
         return groups + ([] if self.vision is None else [[n] for n in self.vision.weights.params])
 
     def weights_digest(self) -> str:

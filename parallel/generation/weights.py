@@ -247,7 +247,7 @@ def mcore_from_hf_tensors(spec: ModelSpec, hf_config: Any, hf: Mapping[str, torc
     (a fused entry with some but not all of its HF tensors is an error naming
     the missing ones); otherwise every entry is required.  Shapes are checked.
     """
-    table = param_table(hf_config, spec.arch)
+    table = param_table(hf_config, spec.arch, vision=False)
     out: dict[str, torch.Tensor] = {}
     used: set[str] = set()
     for e in table:
@@ -276,7 +276,7 @@ def load_hf_weights(path: str, hf_config: Any, spec: ModelSpec,
                     dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
     """This rank's megatron-named tensors (fresh, contiguous) from an HF checkpoint dir."""
     check_same_architecture(path, hf_config)
-    table = param_table(hf_config, spec.arch)
+    table = param_table(hf_config, spec.arch, vision=False)
     names = [n for e in table for n in e.hf_names]
     from safetensors import SafetensorError
 

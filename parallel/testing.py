@@ -182,6 +182,32 @@ _TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                  router_aux_loss_coef=0.01)
 
 
+# a tiny Qwen2.5-VL: the text model above (M-RoPE over its 8 rotary pairs) and a 2-block vision tower;
+# the vision ids are the last ones of the vocabulary
+TINY_VL_IDS = dict(image_token_id=156, video_token_id=157, vision_start_token_id=158, vision_end_token_id=159)
+_TINY_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, fullatt_block_indexes=[1],
+                    window_size=56, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3)
+
+
+def tiny_vl_config(**overrides: Any) -> Any:
+    """The tiny Qwen2.5-VL config: ``overrides`` go to ``text_config`` except ``vision_config`` (a
+    dict merged into the tower's) and the ids of ``TINY_VL_IDS``; bos/eos/pad ids sit in both
+    levels (transformers 5 reads them from ``text_config``)."""
+    import transformers as tf
+
+    vision = dict(_TINY_VISION, **overrides.pop("vision_config", {}))
+    ids = {k: overrides.pop(k, v) for k, v in TINY_VL_IDS.items()}
+    special = {k: overrides.pop(k, v) for k, v in dict(bos_token_id=1, eos_token_id=2, pad_token_id=0).items()}
+    text = dict(_TINY, **special, **overrides)
+    half = text["hidden_size"] // text["num_attention_heads"] // 2
+    t = half // 4
+    text.setdefault("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0,
+                                        "mrope_section": [t, (half - t) // 2, half - t - (half - t) // 2]})
+    vision.setdefault("out_hidden_size", text["hidden_size"])
+    return tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids, **special,
+                               tie_word_embeddings=text.get("tie_word_embeddings", False))
+
+
 def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
                  max_shard_size: Optional[str] = None, critic: bool = False, **overrides: Any):
     """Save a random tiny HF model (safetensors) to ``path``; return (config, model).
@@ -197,12 +223,13 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
     classes = {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
                "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-               "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}
+               "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+               "qwen2_5_vl": (tiny_vl_config, tf.Qwen2_5_VLForConditionalGeneration)}
     cfg_cls, model_cls = classes[family]
     if critic:
         model_cls = getattr(tf, model_cls.__name__.replace("ForCausalLM", "ForTokenClassification"))
         overrides.setdefault("num_labels", 1)
-    kw = dict(_TINY)
+    kw = dict(_TINY) if family != "qwen2_5_vl" else {}  # (the VL config starts from _TINY itself)
     if family == "qwen3_moe":
         kw.update(_TINY_MOE)
     kw.update(overrides)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import io
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -144,7 +145,9 @@ def decode_image(source: ImageSource, limits: Optional[ImageProcessing] = None) 
     if len(data) > limits.max_image_bytes:
         raise ImageError(f"image of {len(data)} bytes is larger than the limit of {limits.max_image_bytes} bytes")
     try:
-        image = Image.open(io.BytesIO(data))  # reads the header only: the size is known before decoding
+        with warnings.catch_warnings():  # the size is checked against our own limit just below
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))  # reads the header only: the size is known before decoding
         w, h = image.size
         if w * h > limits.max_image_pixels:
             raise ImageError(f"image of {w}x{h} pixels is larger than the limit of {limits.max_image_pixels} pixels")

@@ -135,7 +135,10 @@ def take_row_images(raw: dict, image_key: Optional[str], base_dir: str,
     content parts are taken when the row has no such field. A bad image raises
     :class:`RowInvalid` naming the field and the item."""
     keys = (image_key,) if image_key else IMAGE_KEYS
-    key = next((k for k in keys if k in raw), None)
+    present = [k for k in keys if k in raw]
+    if len(present) > 1:
+        raise RowInvalid(f"the row has both fields {present[0]!r} and {present[1]!r}: give its images in one")
+    key = present[0] if present else None
     if image_key and key is None:
         raise RowInvalid(f"missing field {image_key!r} (dataset.image_key)")
     items: list[tuple[str, Any]] = []

@@ -154,7 +154,10 @@ def decode_image(source: ImageSource, limits: Optional[ImageProcessing] = None) 
         image.load()
     except Image.DecompressionBombError as e:
         raise ImageError(f"image too large to decode safely ({e})") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+    except UnidentifiedImageError:
+        raise ImageError(f"not a readable image: {len(data)} bytes in no image format PIL knows (corrupt, or "
+                         "not an image)") from None
+    except (OSError, ValueError, SyntaxError) as e:
         if isinstance(e, ImageError):
             raise
         raise ImageError(f"not a readable image ({type(e).__name__}: {e})") from None

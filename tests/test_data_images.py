@@ -225,3 +225,19 @@ def test_batches_carry_the_image_keys(pics, tok, tmp_path):
     assert s.seqlens[IMAGE_PIXELS] == [[0]] and s.data[IMAGE_PIXELS].shape == (0, 1176)
     text = DatasetSpec(format="sft", path=vl.path, args={"max_prompt_len": 64, "max_seq_len": 64})
     assert IMAGE_PIXELS not in load_dataset_shard(text, tok, 0, 1)[0].data
+
+
+def test_rollout_batches_carry_the_prompts_images(pics, tok, tmp_path):
+    from realflow.api.images import ImageInputs
+    from realflow.api.rollout import Trajectory, rollout_to_batch
+
+    d, a, _ = pics
+    p = _write(tmp_path / "r.jsonl", [{"prompt": "<image> How many shapes ?", "answer": "1",
+                                        "images": [str(d / "img" / "a.png")]}])
+    s = PromptAnswerDataset.load(p, tok, 256)[0]
+    trajs = [Trajectory.single_turn(s.prompt_ids, [19, 2], [-0.1, -0.2], [0, 0], 1.0) for _ in range(3)]
+    b = rollout_to_batch("r-1/e0", trajs, 0, answer="1", images=s.images)
+    assert b.seqlens[IMAGE_PIXELS] == [[36]] and b.seqlens[IMAGE_GRID] == [[1]] and len(b.seqlens["packed_input_ids"][0]) == 3
+    e = rollout_to_batch("r-2/e0", trajs, 0, images=ImageInputs.empty())
+    assert e.seqlens[IMAGE_PIXELS] == [[0]]
+    assert IMAGE_PIXELS not in rollout_to_batch("r-3/e0", trajs, 0).data

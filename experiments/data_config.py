@@ -33,6 +33,15 @@ class UserDataConfig:
     answer_key: str = field(default="", metadata={
         "help": "field holding the reference answer ('' = answer | ground_truth | reward_model.ground_truth, or "
                 "the final answer of solution / the last assistant message: '#### 19' or \\boxed{19})"})
+    image_key: str = field(default="", metadata={
+        "help": "field holding a row's images: a list of paths (relative to the data file), base64, data URLs, "
+                "bytes or {bytes, path} ('' = images | image)"})
+    min_pixels: int = field(default=0, metadata={
+        "help": "images are resized to at least this many pixels (0 = the model's preprocessor_config.json, "
+                "else 56*56)"})
+    max_pixels: int = field(default=0, metadata={
+        "help": "images are resized to at most this many pixels (0 = the model's preprocessor_config.json, "
+                "else 28*28*1280); fewer pixels, fewer image tokens"})
     chat_template: str = field(default="auto", metadata={
         "help": "auto (the tokenizer's chat template when it has one) | none (prompt text as it is) | "
                 "PATH.jinja (this template)"})
@@ -53,10 +62,18 @@ class UserDataConfig:
             load_template_file(self.chat_template)  # unreadable or not Jinja: file and line, now
         if self.system_prompt and self.chat_template == "none":
             raise ValueError("dataset.system_prompt needs a chat template (dataset.chat_template=auto or PATH.jinja)")
+        if self.min_pixels < 0 or self.max_pixels < 0 or (self.min_pixels and self.max_pixels
+                                                          and self.min_pixels > self.max_pixels):
+            raise ValueError(f"dataset.min_pixels={self.min_pixels}, dataset.max_pixels={self.max_pixels}: need "
+                             "0 <= min_pixels <= max_pixels (0 = the model's)")
 
-    def data_args(self, **limits: Optional[int]) -> dict[str, Any]:
-        """``DatasetSpec.args`` of these keys plus the given length limits (None ones left out)."""
+    def data_args(self, image_inputs: bool = False, **limits: Optional[int]) -> dict[str, Any]:
+        """``DatasetSpec.args`` of these keys plus the given length limits (None ones left out).
+        ``image_inputs``: the model takes images (a VL experiment), so every sample carries the image
+        keys, empty for a row without images (see :mod:`realflow.data.source`)."""
         args: dict[str, Any] = {k: v for k, v in limits.items() if v is not None}
+        if image_inputs:
+            args["image_inputs"] = True
         if self.chat_template in ("auto", "none"):
             args["chat_template"] = self.chat_template
         else:  # the template's text travels with the spec: every process renders with the same one
@@ -66,7 +83,7 @@ class UserDataConfig:
             args["system_prompt"] = self.system_prompt
         if not self.add_generation_prompt:
             args["add_generation_prompt"] = False
-        for key in ("prompt_key", "answer_key", "response_key"):
+        for key in ("prompt_key", "answer_key", "response_key", "image_key", "min_pixels", "max_pixels"):
             if getattr(self, key, ""):
                 args[key] = getattr(self, key)
         if self.filter_overlong:

@@ -234,7 +234,7 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
     if critic:
         model_cls = getattr(tf, model_cls.__name__.replace("ForCausalLM", "ForTokenClassification"))
         overrides.setdefault("num_labels", 1)
-    kw = dict(_TINY)
+    kw = dict(_TINY) if family != "qwen2_5_vl" else {}  # (the VL config starts from _TINY itself)
     if family == "qwen3_moe":
         kw.update(_TINY_MOE)
     kw.update(overrides)

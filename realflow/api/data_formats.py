@@ -28,24 +28,28 @@ Messages = list  # of {"role": str, "content": str}
 @dataclass(frozen=True)
 class PromptAnswerRow:
     """A prompt to generate from (text, or ``{role, content}`` messages) and the reference
-    final answer (RL data)."""
+    final answer (RL data). ``images``: the prompt's images as encoded bytes, in the order of
+    its ``<image>`` placeholders (filled in by the loader, :mod:`realflow.data.images`)."""
     id: str
     prompt: Union[str, Messages]
     answer: str
     meta: dict[str, Any] = field(default_factory=dict)
+    images: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
 class SFTRow:
     """A prompt and the target response (SFT data); ``answer`` if one can be read off.
     ``messages``, when set, is the whole conversation to train on (its assistant turns are
-    the targets); ``prompt``/``response`` then hold its first prompt and last reply."""
+    the targets); ``prompt``/``response`` then hold its first prompt and last reply.
+    ``images``: as :class:`PromptAnswerRow`'s (placeholders in the prompt or the conversation)."""
     id: str
     prompt: Union[str, Messages]
     response: str
     answer: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     messages: Optional[Messages] = None
+    images: tuple[bytes, ...] = ()
 
 
 class RowInvalid(ValueError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import io
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -58,11 +59,36 @@ class ImageProcessing:
     temporal_patch_size: int = 2
     merge_size: int = 2
     max_image_bytes: int = 64 << 20  # refuse bigger encoded images before decoding them
+    #: refuse images of more pixels before decoding them (PIL's decompression-bomb limit, ~89 Mpx)
+    max_image_pixels: int = 89_478_485
 
     def __post_init__(self) -> None:
         if not 0 < self.min_pixels <= self.max_pixels:
             raise ImageError(f"need 0 < min_pixels <= max_pixels, got min_pixels={self.min_pixels}, "
                              f"max_pixels={self.max_pixels}")
+
+    @classmethod
+    def from_pretrained_dir(cls, path: Optional[str], **overrides: Any) -> "ImageProcessing":
+        """The budget of a model's ``preprocessor_config.json`` (when ``path`` has one), then
+        ``overrides`` (``None`` or 0 values are ignored: the model's, else the defaults, stay)."""
+        import json
+        import os
+
+        fields: dict[str, Any] = {}
+        cfg_path = os.path.join(path, "preprocessor_config.json") if path else ""
+        if cfg_path and os.path.isfile(cfg_path):
+            try:
+                with open(cfg_path) as f:
+                    cfg = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ImageError(f"cannot read {cfg_path}: {e}") from None
+            size = cfg.get("size") or {}
+            fields["min_pixels"] = cfg.get("min_pixels") or size.get("shortest_edge")
+            fields["max_pixels"] = cfg.get("max_pixels") or size.get("longest_edge")
+            for name in ("patch_size", "temporal_patch_size", "merge_size"):
+                fields[name] = cfg.get(name)
+        fields.update(overrides)
+        return cls(**{k: int(v) for k, v in fields.items() if v})
 
     def processor(self) -> Any:
         """transformers' PIL-backed Qwen2-VL image processor with this budget (no torchvision needed)."""
@@ -122,9 +148,21 @@ def decode_image(source: ImageSource, limits: Optional[ImageProcessing] = None) 
     if len(data) > limits.max_image_bytes:
         raise ImageError(f"image of {len(data)} bytes is larger than the limit of {limits.max_image_bytes} bytes")
     try:
-        image = Image.open(io.BytesIO(data))
+        with warnings.catch_warnings():  # the size is checked against our own limit just below
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))  # reads the header only: the size is known before decoding
+        w, h = image.size
+        if w * h > limits.max_image_pixels:
+            raise ImageError(f"image of {w}x{h} pixels is larger than the limit of {limits.max_image_pixels} pixels")
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except Image.DecompressionBombError as e:
+        raise ImageError(f"image too large to decode safely ({e})") from None
+    except UnidentifiedImageError:
+        raise ImageError(f"not a readable image: {len(data)} bytes in no image format PIL knows (corrupt, or "
+                         "not an image)") from None
+    except (OSError, ValueError, SyntaxError) as e:
+        if isinstance(e, ImageError):
+            raise
         raise ImageError(f"not a readable image ({type(e).__name__}: {e})") from None
     return image.convert("RGB")
 

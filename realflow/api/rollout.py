@@ -24,7 +24,7 @@ import torch
 
 from realflow.api.batch import SequenceBatch
 from realflow.api.generation import GenServerLimits, check_inference_memory
-from realflow.api.images import IMAGE_GRID, IMAGE_PIXELS
+from realflow.api.images import IMAGE_GRID, IMAGE_PIXELS, ImageInputs
 from realflow.api.keys import INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REWARDS, ROUTED_EXPERTS, VERSIONS
 from realflow.api.routing import routed_experts_tensor
 
@@ -34,8 +34,8 @@ __all__ = ["RolloutSpec", "Trajectory", "rollout_to_batch", "TRAJECTORY_KEYS", "
 
 #: tensor keys of every trajectory sample (the async graph's source keys)
 TRAJECTORY_KEYS = (INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, VERSIONS)
-#: tensor keys of the trajectories of some models only: an MoE policy's routed experts (R3), a
-#: vision-language policy's prompt images (one sequence per sample: realflow.api.images)
+#: tensor keys of the trajectories of some models only: an MoE policy's routed experts (R3), a VL
+#: policy's prompt images (one sequence per sample, shared by its group: realflow.api.images)
 OPTIONAL_TRAJECTORY_KEYS = (ROUTED_EXPERTS, IMAGE_PIXELS, IMAGE_GRID)
 #: metadata: the weight version when the rollout was admitted, and of its oldest / newest token
 VERSION_ADMIT, VERSION_OLDEST, VERSION_NEWEST = "version_admit", "version_oldest", "version_newest"
@@ -203,8 +203,10 @@ class Trajectory:
 
 
 def rollout_to_batch(sample_id: str, trajectories: Sequence[Trajectory], version_admit: int,
-                     answer: Optional[str] = None) -> SequenceBatch:
-    """One episode's trajectories as a one-sample batch (a group of sequences)."""
+                     answer: Optional[str] = None, images: Optional[ImageInputs] = None) -> SequenceBatch:
+    """One episode's trajectories as a one-sample batch (a group of sequences). ``images``: the
+    prompt's images (a VL data set's sample), one ``pixel_values`` / ``image_grid_thw`` sequence
+    shared by every trajectory of the group."""
     if not trajectories:
         raise RolloutError(f"rollout {sample_id}: the agent returned no trajectory")
     ids, pmask, lps, no_eos, rewards, vers, routed = [], [], [], [], [], [], []
@@ -243,7 +245,8 @@ def rollout_to_batch(sample_id: str, trajectories: Sequence[Trajectory], version
             VERSIONS: [vers]}
     if with_routing:
         data[ROUTED_EXPERTS] = [routed]
-    images = _rollout_images(sample_id, trajectories)
+    if images is None:  # an agent's own images (e.g. through the proxy), when the data set gave none
+        images = _rollout_images(sample_id, trajectories)
     if images is not None:
         data[IMAGE_PIXELS] = [images.pixel_values.to(torch.float32)]
         data[IMAGE_GRID] = [images.grid_thw.to(torch.int64)]

@@ -17,9 +17,11 @@ import logging
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence, TypeVar
+from typing import Any, Iterator, Optional, Protocol, Sequence, TypeVar
 
+from realflow.api.images import ImageInputs, ImageProcessing
 from realflow.data.chat_render import ChatTemplateError, PromptFormat, conversation_ids, prompt_messages, render_prompts, template_of
+from realflow.data.image_render import render_image_conversation, render_image_prompt
 from realflow.data.readers import DataRowError, _jsonl
 from realflow.data.rows import (DATASET_FORMATS, FieldMap, PromptAnswerRow, RowInvalid, SFTRow,
                                     extract_boxed, extract_final_answer, load_rows, load_rows_report)
@@ -67,22 +69,30 @@ class FilterReport:
 
 @dataclass(frozen=True)
 class PromptSample:
-    """A tokenized RL prompt."""
+    """A tokenized RL prompt. With images, ``prompt_ids`` hold each image's ``<|image_pad|>``
+    repeated to its feature count, ``images`` the processor's pixels and grids, and
+    ``image_bytes`` the encoded images as the row gave them (what an HTTP generation request,
+    SGLang's ``image_data``, sends)."""
     id: str
     prompt_ids: list[int]
     answer: str
     meta: dict[str, Any]
+    images: Optional[ImageInputs] = None
+    image_bytes: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
 class SFTSample:
     """A tokenized SFT pair: ``input_ids`` = prompt + response (+ eos);
-    ``prompt_mask[i]`` is 1 on prompt tokens (no loss), 0 on response tokens."""
+    ``prompt_mask[i]`` is 1 on prompt tokens (no loss), 0 on response tokens. Images: as
+    :class:`PromptSample`'s (their expanded ``<|image_pad|>`` tokens are prompt tokens)."""
     id: str
     input_ids: list[int]
     prompt_mask: list[int]
     answer: str | None
     meta: dict[str, Any]
+    images: Optional[ImageInputs] = None
+    image_bytes: tuple[bytes, ...] = ()
 
     @property
     def prompt_len(self) -> int:
@@ -152,30 +162,42 @@ class PromptAnswerDataset(_ShardedDataset[PromptSample]):
     @classmethod
     def from_rows(cls, rows: Sequence[PromptAnswerRow], tokenizer: Tokenizer,
                   max_prompt_len: int, seed: int = 0, prompt_format: PromptFormat | None = None,
-                  n_bad_rows: int = 0) -> "PromptAnswerDataset":
-        ids = _render_rows(tokenizer, rows, prompt_format)
+                  n_bad_rows: int = 0, images: ImageProcessing | None = None) -> "PromptAnswerDataset":
+        processing = images or ImageProcessing()
+        text_rows = [r for r in rows if not r.images]
+        text_ids = iter(_render_rows(tokenizer, text_rows, prompt_format))
+        ids, pixels = [], []
+        for r in rows:
+            if r.images:
+                p, inputs = render_image_prompt(tokenizer, r, prompt_format or PromptFormat(), processing)
+            else:
+                p, inputs = next(text_ids), None
+            ids.append(p)
+            pixels.append(inputs)
         report = FilterReport(total=len(rows) + n_bad_rows, kept=0)
         if n_bad_rows:
             report.dropped["bad_row"] = n_bad_rows
         samples = []
-        for r, p in zip(rows, ids):
+        for r, p, inputs in zip(rows, ids, pixels):
             report.longest_prompt = max(report.longest_prompt, len(p))
             if len(p) > max_prompt_len:
                 _count(report, "prompt_too_long")
                 continue
-            samples.append(PromptSample(r.id, p, r.answer, r.meta))
+            samples.append(PromptSample(r.id, p, r.answer, r.meta, inputs, tuple(r.images)))
         report.kept = len(samples)
         return cls(samples, report, seed)
 
     @classmethod
     def load(cls, path: str | os.PathLike, tokenizer: Tokenizer, max_prompt_len: int,
              fmt: str = "prompt_answer", seed: int = 0, prompt_format: PromptFormat | None = None,
-             skip_bad_rows: bool = False, fields: FieldMap | None = None) -> "PromptAnswerDataset":
+             skip_bad_rows: bool = False, fields: FieldMap | None = None,
+             images: ImageProcessing | None = None) -> "PromptAnswerDataset":
         """Read, validate and tokenize ``path``; with ``skip_bad_rows`` bad rows are logged
-        (``path:line: reason``) and counted instead of raised."""
-        rows, bad = load_rows_report(path, fmt, skip_bad_rows, fields)
+        (``path:line: reason``) and counted instead of raised. ``images``: the image
+        processor's budget and limits (rows with images only)."""
+        rows, bad = load_rows_report(path, fmt, skip_bad_rows, fields, images)
         _log_bad_rows(bad)
-        return cls.from_rows(rows, tokenizer, max_prompt_len, seed, prompt_format, len(bad))
+        return cls.from_rows(rows, tokenizer, max_prompt_len, seed, prompt_format, len(bad), images)
 
 
 class SFTDataset(_ShardedDataset[SFTSample]):
@@ -189,13 +211,14 @@ class SFTDataset(_ShardedDataset[SFTSample]):
     @classmethod
     def from_rows(cls, rows: Sequence[SFTRow], tokenizer: Tokenizer, max_prompt_len: int,
                   max_seq_len: int | None = None, seed: int = 0,
-                  prompt_format: PromptFormat | None = None, n_bad_rows: int = 0) -> "SFTDataset":
+                  prompt_format: PromptFormat | None = None, n_bad_rows: int = 0,
+                  images: ImageProcessing | None = None) -> "SFTDataset":
         fmt = prompt_format or PromptFormat()
         report = FilterReport(total=len(rows) + n_bad_rows, kept=0)
         if n_bad_rows:
             report.dropped["bad_row"] = n_bad_rows
         samples = []
-        for r, (ids, mask) in zip(rows, _sft_token_ids(rows, tokenizer, fmt)):
+        for r, (ids, mask, inputs) in zip(rows, _sft_token_ids(rows, tokenizer, fmt, images or ImageProcessing())):
             n_prompt = mask.index(0) if 0 in mask else len(mask)
             report.longest_prompt = max(report.longest_prompt, n_prompt)
             report.longest_seq = max(report.longest_seq, len(ids))
@@ -205,7 +228,7 @@ class SFTDataset(_ShardedDataset[SFTSample]):
             if reason:
                 _count(report, reason)
                 continue
-            samples.append(SFTSample(r.id, ids, mask, r.answer, r.meta))
+            samples.append(SFTSample(r.id, ids, mask, r.answer, r.meta, inputs, tuple(r.images)))
         report.kept = len(samples)
         return cls(samples, report, seed)
 
@@ -213,36 +236,39 @@ class SFTDataset(_ShardedDataset[SFTSample]):
     def load(cls, path: str | os.PathLike, tokenizer: Tokenizer, max_prompt_len: int,
              max_seq_len: int | None = None, fmt: str = "sft", seed: int = 0,
              prompt_format: PromptFormat | None = None, skip_bad_rows: bool = False,
-             fields: FieldMap | None = None) -> "SFTDataset":
-        rows, bad = load_rows_report(path, fmt, skip_bad_rows, fields)
+             fields: FieldMap | None = None, images: ImageProcessing | None = None) -> "SFTDataset":
+        rows, bad = load_rows_report(path, fmt, skip_bad_rows, fields, images)
         _log_bad_rows(bad)
-        return cls.from_rows(rows, tokenizer, max_prompt_len, max_seq_len, seed, prompt_format, len(bad))
+        return cls.from_rows(rows, tokenizer, max_prompt_len, max_seq_len, seed, prompt_format, len(bad), images)
 
 
-def _sft_token_ids(rows: Sequence[SFTRow], tokenizer: Tokenizer,
-                   fmt: PromptFormat) -> Iterator[tuple[list[int], list[int]]]:
-    """(ids, no-loss mask) per row: a conversation when a template applies, else text + EOS."""
+def _sft_token_ids(rows: Sequence[SFTRow], tokenizer: Tokenizer, fmt: PromptFormat,
+                   processing: ImageProcessing) -> Iterator[tuple[list[int], list[int], Optional[ImageInputs]]]:
+    """(ids, no-loss mask, images) per row: a conversation when a template applies, else text + EOS."""
     chat = template_of(tokenizer, fmt) is not None
-    plain = [r for r in rows if not chat and r.messages is None and isinstance(r.prompt, str)]
+    plain = [r for r in rows if not chat and r.messages is None and isinstance(r.prompt, str) and not r.images]
     eos = tokenizer.eos_token_id
     if plain and eos is None:
         raise ValueError("SFTDataset: the tokenizer has no eos_token_id")
     prompts = iter(_render_rows(tokenizer, plain, fmt))
     responses = iter(render_responses(tokenizer, [r.response for r in plain]))
     for r in rows:
+        if r.images:
+            yield render_image_conversation(tokenizer, r, fmt, processing)
+            continue
         if chat or r.messages is not None or not isinstance(r.prompt, str):
             msgs = r.messages
             if msgs is None:
                 msgs = prompt_messages(r.prompt, fmt) + [{"role": "assistant", "content": r.response}]
             try:
-                yield conversation_ids(tokenizer, msgs, fmt)
+                yield (*conversation_ids(tokenizer, msgs, fmt), None)
             except ChatTemplateError as e:
                 raise ChatTemplateError(f"row {r.id!r}: {e}") from None
             continue
         p, a = next(prompts), next(responses)
         if not a or a[-1] != eos:
             a = a + [eos]
-        yield p + a, [1] * len(p) + [0] * len(a)
+        yield p + a, [1] * len(p) + [0] * len(a), None
 
 
 def _render_rows(tokenizer: Tokenizer, rows: Sequence[Any], fmt: PromptFormat | None) -> list[list[int]]:

@@ -15,7 +15,11 @@ What a row may look like (the built-in formats accept all of them):
   assistant turn (whose final answer is the reference when no answer field is given),
   for SFT the assistant turns are the targets;
 * other field names through a :class:`FieldMap` (``dataset.prompt_key``,
-  ``dataset.answer_key``, ``dataset.response_key``; dotted paths reach nested fields).
+  ``dataset.answer_key``, ``dataset.response_key``, ``dataset.image_key``; dotted paths reach
+  nested fields);
+* images: an ``images`` (or ``image``) field and ``<image>`` placeholders or ``{"type": "image"}``
+  content parts in the prompt (:mod:`realflow.data.images`); every format gets them, read and
+  checked by the loader.
 
 Built-in formats: ``prompt_answer`` (RL), ``sft``, and the strict ``gsm8k``
 (``question``/``answer``) and ``boxed`` (``problem``/``solution``).
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from realflow.api.data_formats import DATASET_FORMATS, Messages, PromptAnswerRow, RowInvalid, SFTRow
+from realflow.api.images import ImageProcessing
+from realflow.data.images import IMAGE_PART_TYPES, IMAGE_PLACEHOLDER, place_images, take_row_images
 from realflow.data.readers import DataRowError, read_records
 
 __all__ = [
@@ -79,10 +85,13 @@ class FieldMap:
     """Which fields of a row hold the prompt, the reference answer and the SFT response
     (``None`` = the defaults). A dotted name reaches into nested objects
     (``reward_model.ground_truth``). The mapped fields are copied to the canonical names
-    (``prompt``, ``answer``, ``response``) before the format parses the row."""
+    (``prompt``, ``answer``, ``response``) before the format parses the row. ``image_key``
+    names the field of the row's images (``None`` = ``images`` or ``image``); the loader takes
+    it (:func:`realflow.data.images.take_row_images`), the format never sees it."""
     prompt_key: Optional[str] = None
     answer_key: Optional[str] = None
     response_key: Optional[str] = None
+    image_key: Optional[str] = None
 
     def apply(self, raw: dict) -> dict:
         if not (self.prompt_key or self.answer_key or self.response_key):
@@ -142,8 +151,9 @@ def check_messages(value: Any, key: str) -> Messages:
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise RowInvalid(f"field {key!r}[{i}]: role {role!r} is not one of {', '.join(ROLES)}")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}]
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, {"type": "image"}]
+            content = "".join(IMAGE_PLACEHOLDER if p.get("type") in IMAGE_PART_TYPES else p.get("text", "")
+                              for p in content if isinstance(p, dict))
         if not isinstance(content, str):
             raise RowInvalid(f"field {key!r}[{i}]: content must be a string, got {type(content).__name__}")
         out.append({"role": role, "content": content})
@@ -300,23 +310,28 @@ def parse_boxed(raw: dict) -> PromptAnswerRow:
 
 # ----------------------------------------------------------------------------- loading
 
-def load_rows(path: str | os.PathLike, fmt: str = "prompt_answer", fields: FieldMap | None = None) -> list:
+def load_rows(path: str | os.PathLike, fmt: str = "prompt_answer", fields: FieldMap | None = None,
+              images: ImageProcessing | None = None) -> list:
     """Parse every row of a data file with format ``fmt``; the first bad row raises.
 
     Ids come from an ``id`` field (string or integer) or default to ``<file stem>-<line or
-    row>``; duplicates are an error at the second occurrence.
+    row>``; duplicates are an error at the second occurrence. A row's images are read and
+    checked within ``images``' limits (a missing, corrupt or too large image is a bad row).
     """
-    rows, _ = load_rows_report(path, fmt, skip_bad_rows=False, fields=fields)
+    rows, _ = load_rows_report(path, fmt, skip_bad_rows=False, fields=fields, images=images)
     return rows
 
 
 def load_rows_report(path: str | os.PathLike, fmt: str = "prompt_answer", skip_bad_rows: bool = True,
-                     fields: FieldMap | None = None) -> tuple[list, list[DataRowError]]:
+                     fields: FieldMap | None = None,
+                     images: ImageProcessing | None = None) -> tuple[list, list[DataRowError]]:
     """Like :func:`load_rows`, but with ``skip_bad_rows`` a bad row (bad JSON, a field
     missing, a duplicate id, ...) is returned as a :class:`DataRowError` (``path:line:
     reason``) instead of raised. A missing file, or a file without one good row, raises."""
     parser = DATASET_FORMATS.get(fmt)
     fields = fields or FieldMap()
+    limits = images or ImageProcessing()
+    base_dir = os.path.dirname(os.path.abspath(str(path).rstrip("/")))
     stem = os.path.splitext(os.path.basename(str(path).rstrip("/")))[0]
     rows, seen, bad = [], {}, []
     for n, raw, unit in read_records(path, bad if skip_bad_rows else None):
@@ -328,7 +343,11 @@ def load_rows_report(path: str | os.PathLike, fmt: str = "prompt_answer", skip_b
             if rid in seen:
                 raise DataRowError(path, n, f"duplicate id {rid!r} (first at {unit} {seen[rid]})", unit)
             try:
-                row = parser(fields.apply(raw))
+                raw, row_images = take_row_images(raw, fields.image_key, base_dir, limits)
+                raw = fields.apply(raw)
+                row = parser(raw)
+                if row_images or _has_image_parts(raw):
+                    row = _with_images(row, row_images, raw)
             except KeyError as e:  # a user parser indexing raw[...] directly
                 raise DataRowError(path, n, f"missing field {e.args[0]!r}" if e.args else "KeyError", unit) from None
             except (ValueError, TypeError) as e:
@@ -344,3 +363,24 @@ def load_rows_report(path: str | os.PathLike, fmt: str = "prompt_answer", skip_b
         why = f" ({len(bad)} bad rows; first: {bad[0]})" if bad else ""
         raise DataRowError(path, 0, ("data file has no valid rows" if bad else "data file has no rows") + why)
     return rows, bad
+
+
+def _has_image_parts(raw: dict) -> bool:
+    """Whether a row's conversation has image content parts (placeholders, with or without images)."""
+    return any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+               for v in raw.values() if isinstance(v, (list, tuple))
+               for m in v if isinstance(m, dict) and isinstance(m.get("content"), list)
+               for p in m["content"])
+
+
+def _with_images(row: Any, images: tuple[bytes, ...], raw: dict) -> Any:
+    """``row`` carrying ``images``, its placeholders checked (or put before the text when it has none)."""
+    name = next((k for k in PROMPT_KEYS + ("messages",) if k in raw), "prompt")
+    if isinstance(row, SFTRow) and row.messages is not None:
+        msgs = place_images(row.messages, len(images), "messages" if "messages" in raw else name)
+        first = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
+        prompt = msgs[:first] if isinstance(row.prompt, list) else row.prompt
+        return dataclasses.replace(row, messages=msgs, prompt=prompt, images=images)
+    if not isinstance(row, (PromptAnswerRow, SFTRow)):
+        raise RowInvalid(f"the row has images but format {type(row).__name__} rows cannot carry them")
+    return dataclasses.replace(row, prompt=place_images(row.prompt, len(images), name), images=images)

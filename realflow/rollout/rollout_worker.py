@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from realflow.api.agent import Completion, RewardTimeout, make_agent
+from realflow.api.images import ImageInputs
 from realflow.data.source import load_tokenized
 from realflow.api.experiment import DatasetSpec, ExperimentSetup
 from realflow.api.rollout import rollout_to_batch
@@ -285,6 +286,16 @@ class RolloutWorker:
             logger.info("prompt data set %s (%s): %s", spec.dataset_path, spec.dataset_format, ds.report)
         return ds
 
+    def _images(self, row: Any) -> Any:
+        """The prompt's images for its trajectory batch: a VL run's samples all carry the image keys
+        (a row without images: empty ones), a text-only run's none (realflow.data.source)."""
+        if getattr(row, "images", None) is not None:
+            return row.images
+        if not hasattr(self, "_with_images"):  # as realflow.data.source decides it for a data set
+            self._with_images = bool(self.spec.dataset_args.get("image_inputs")) or any(
+                getattr(r, "images", None) is not None for r in self.rows)
+        return ImageInputs.empty() if self._with_images else None
+
     def _row(self, index: int) -> tuple[int, Any]:
         """(epoch, row) of the ``index``-th prompt the run hands out (the controller numbers them)."""
         epoch, i = divmod(int(index), len(self.rows))
@@ -367,7 +378,7 @@ class RolloutWorker:
             if self.spec.dynamic_sampling and len(trajs) > 1 and len(rewards) == 1:
                 filtered = True  # no learning signal: never sent, frees its place under the staleness bound
             else:
-                batch = rollout_to_batch(sid, trajs, version, answer=row.answer)
+                batch = rollout_to_batch(sid, trajs, version, answer=row.answer, images=self._images(row))
                 await self._push(batch.to_wire())
                 ok = True
         except asyncio.CancelledError:

@@ -4,7 +4,8 @@ Bad input must fail at the edge with one line that names the culprit, not as a
 traceback in one of several worker logs minutes later. So the launcher reads every
 data row (a bad row is reported as ``file:line: reason``), tokenizes it as the workers
 will (rows over the length limits are refused, with the count and the limit to set,
-unless the data set says ``filter_overlong``), and opens every checkpoint's config
+unless the data set says ``filter_overlong``), refuses images for a text-only model (the first
+row with images, by file and line), and opens every checkpoint's config
 (its architecture must be one realflow builds) and tensor headers before it starts a
 single process. ``pending`` paths (what the experiment's ``prepare()`` has yet to
 create, under ``--check``) are skipped and listed.
@@ -163,6 +164,43 @@ def check_lengths(spec: DatasetSpec, tokenizer_path: str, what: str) -> Optional
     return str(r)
 
 
+def check_images_model(spec: DatasetSpec, model_config: Optional[dict], what: str) -> None:
+    """A data set with images needs a vision-language model: a row with images for a text-only
+    model (``model_config``: its HF ``config.json``; None = unknown, not checked) is one line naming
+    the file, the row and the field, before any worker starts."""
+    from realflow.data.images import first_image_row, is_vision_language
+
+    if not isinstance(model_config, dict) or is_vision_language(model_config):
+        return
+    try:
+        hit = first_image_row(spec.path, spec.args.get("image_key") or None)
+    except DataRowError as e:
+        raise PreflightError(f"{what}: {e}") from None
+    if hit is not None:
+        n, unit, field = hit
+        mtype = model_config.get("model_type", "?")
+        raise PreflightError(f"{what}: " + str(DataRowError(
+            spec.path, n, f"field {field!r}: row has images but model_type={mtype} is text-only: use a "
+                          "vision-language model such as Qwen2.5-VL or drop the images", unit)))
+
+
+def _data_model_config(setup: ExperimentSetup, pending: Sequence[str]) -> Optional[dict]:
+    """The HF config of the model the data feed (the trained one, else the first): its
+    ``config.json``, or the planned config of a checkpoint the run creates; None if unknown."""
+    specs = sorted(setup.models.items())
+    trained = [s for _, s in specs if s.optimizer is not None] or [s for _, s in specs]
+    if not trained:
+        return None
+    spec = trained[0]
+    if not _pending(spec.path, pending):
+        try:
+            with open(os.path.join(spec.path, "config.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            pass
+    return dict(spec.expected_config) if spec.expected_config else None
+
+
 def _data_tokenizer(setup: ExperimentSetup) -> Optional[str]:
     """The tokenizer the data sets are tokenized with: the trained model's (else the first's)."""
     specs = sorted(setup.models.items())
@@ -223,6 +261,7 @@ def preflight(setup: ExperimentSetup, pending: Sequence[str] = ()) -> list[str]:
             notes.append(f"{what}: {spec.path} not checked (the run generates it first)")
             continue
         check_dataset(spec, what)
+        check_images_model(spec, _data_model_config(setup, pending), what)
         if tok is None or _pending(tok, pending):
             notes.append(f"{what}: lengths not checked (the tokenizer is made by the run)")
             continue

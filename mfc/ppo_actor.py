@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from mfc.images import has_images, sequence_images
+from mfc.images import has_images, sample_images, sequence_images
 from mfc.losses import aggregation_weight, ppo_actor_loss
 from mfc.packed import next_token_targets
 from mfc.ppo_config import PPOConfig
@@ -78,7 +78,8 @@ class PPOActorInterface(ModelInterface):
         # seeds: reproducible per (run seed, weight version, sample)
         params = [self._sampling(tok, self.n_samples, zlib.crc32(f"{self.seed}/{model.version}/{sid}".encode()))
                   for sid in batch.ids]
-        results = gen.generate(prompts, params)
+        kw = {"images": [sample_images(batch, i) for i in range(len(batch))]} if has_images(batch) else {}
+        results = gen.generate(prompts, params, **kw)
         ids, pmask, lps, no_eos, routed = [], [], [], [], []
         moe = bool(results) and all(r.routed_experts is not None for r in results)  # routing replay (R3)
         for i in range(len(batch)):
@@ -223,22 +224,24 @@ class PPOActorInterface(ModelInterface):
         prompts = [batch.sequences(PROMPTS, i)[0].tolist() for i in range(len(batch))]
         tok = model.tokenizer
         sampled = None
+        kw = {"images": [sample_images(batch, i) for i in range(len(batch))]} if has_images(batch) else {}
         if eng.strategy.pp == 1 and not eng.is_critic:
             context = max(map(len, prompts), default=1) + max(self.eval_max_new_tokens, self.max_new_tokens)
             gen = eng.generator(context, version=model.version, tokenizer=tok, **self._generator_memory())
             # greedy: no truncation, but a response ends where a training one would
             res = gen.generate(prompts, SamplingParams(max_new_tokens=self.eval_max_new_tokens, temperature=0.0,
-                                                       stop=list(self.stop), stop_token_ids=self._stop_ids(tok)))
+                                                       stop=list(self.stop), stop_token_ids=self._stop_ids(tok)),
+                               **kw)
             outputs = [r.output_ids for r in res]
             if self.eval_n_samples:
                 params = [self._sampling(tok, self.eval_n_samples, zlib.crc32(f"eval/{self.seed}/{sid}".encode()))
                           for sid in batch.ids]
-                res = gen.generate(prompts, params)
+                res = gen.generate(prompts, params, **kw)
                 k = self.eval_n_samples
                 sampled = sum(self._scores([r.output_ids for r in res],
                                            [a for a in batch.metadata["answer"] for _ in range(k)], tok))
         else:
-            outputs = eng.greedy_generate(prompts, self.eval_max_new_tokens, tok.eos_token_id)
+            outputs = eng.greedy_generate(prompts, self.eval_max_new_tokens, tok.eos_token_id, **kw)
         correct = sum(self._scores(outputs, batch.metadata["answer"], tok))
         n_correct, n_total, n_sampled = eng.dp_sum([float(correct), float(len(prompts)), float(sampled or 0.0)])
         out = {"accuracy": n_correct / max(n_total, 1.0), "n_eval": n_total}

@@ -91,8 +91,10 @@ class BatchGenerator(Protocol):
     """
 
     def generate(self, prompts: Sequence[Sequence[int]],
-                 params: Union[SamplingParams, Sequence[SamplingParams]]) -> list[GenerationResult]:
-        """Run every prompt to completion; results in prompt order, the ``n`` samples of a prompt by index."""
+                 params: Union[SamplingParams, Sequence[SamplingParams]],
+                 images: Optional[Sequence[Any]] = None) -> list[GenerationResult]:
+        """Run every prompt to completion; results in prompt order, the ``n`` samples of a prompt by index;
+        ``images``: each prompt's :class:`realflow.api.images.ImageInputs` (None: text), VL models only."""
         ...
 
 

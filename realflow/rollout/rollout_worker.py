@@ -359,8 +359,8 @@ class RolloutWorker:
         ok, err, timed_out, filtered = False, "", False, False
         try:
             data = {"id": sid, "prompt_ids": list(row.prompt_ids), "answer": row.answer, **dict(row.meta)}
-            if getattr(row, "image_data", None):  # a VL data set's encoded images (agents pass them to ctx.generate)
-                data["image_data"] = list(row.image_data)
+            if getattr(row, "image_bytes", None):  # a VL data set's encoded images (agents pass them to ctx.generate)
+                data["image_data"] = list(row.image_bytes)
             # not wait_for: an agent's own TimeoutError (a RewardTimeout) must not read as its timeout
             task = asyncio.ensure_future(self.agent.run(data, _Context(self, seed, sid)))
             try:

@@ -17,6 +17,7 @@ runs the short-answer task of the synchronous default instead.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -130,6 +131,20 @@ class _AsyncBase(_RLBase):
             raise AllocationError(f"generation tp={tp} does not divide the model's {heads} attention heads / "
                                   f"{kv} key-value heads ({cfg_path})")
 
+    def _server_limits(self, tok: str, data_args: dict[str, Any]) -> GenServerLimits:
+        """``rollout.server_limits``, with a VL actor's pixel budget set to the data set's: the servers
+        process each prompt's images themselves and must cut them into as many patches as the
+        trainer's copy (dataset.min_pixels / max_pixels, else the model's preprocessor_config.json)."""
+        limits = self.rollout.server_limits
+        if not data_args.get("image_inputs"):
+            return limits
+        from realflow.api.images import ImageProcessing
+
+        budget = ImageProcessing.from_pretrained_dir(tok if os.path.isdir(tok) else None,
+                                                     min_pixels=data_args.get("min_pixels") or None,
+                                                     max_pixels=data_args.get("max_pixels") or None)
+        return dataclasses.replace(limits, min_pixels=budget.min_pixels, max_pixels=budget.max_pixels)
+
     def setup(self) -> ExperimentSetup:
         actor, tok, train, test = self._paths()
         h, r = self.ppo, self.rollout
@@ -145,7 +160,7 @@ class _AsyncBase(_RLBase):
         planned = self.planned_actor_config()
         gcfg = AsyncPPOGraphConfig(
             batch_size=self.batch_size, use_ref=h.kl_coef > 0, ref_from_actor_base=lora.enabled,
-            routing_replay=self.routing_replay(actor, planned),
+            routing_replay=self.routing_replay(actor, planned), images=self.actor_sees_images(),
             inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             actor_args={**h.actor_args(), "seed": self.seed})
@@ -175,7 +190,8 @@ class _AsyncBase(_RLBase):
                 weight_sync_delta=r.weight_sync_delta,
                 interrupt_mode=r.interrupt_mode, reward_timeout_s=r.reward_timeout_s,
                 agent_timeout_s=r.agent_timeout_s,
-                reward_processes=r.reward_processes, server_limits=r.server_limits, seed=self.seed,
+                reward_processes=r.reward_processes, server_limits=self._server_limits(tok, data_args),
+                seed=self.seed,
                 dynamic_sampling=h.dynamic_sampling)
         except RolloutError as e:
             raise RolloutError(f"rollout.{e}") from None

@@ -70,7 +70,9 @@ def planned_hf_config(arch: TinyArchConfig) -> dict:
         text = {"vocab_size": 128, **_dense_fields(arch), "rope_parameters": _mrope(arch)}
         return {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"], "vocab_size": 128,
                 "vocab_size_unknown": True, **_dense_fields(arch), "text_config": text,
-                "vision_config": _vision_fields(arch)}
+                "vision_config": _vision_fields(arch),
+                # stand-ins too: the tokenizer's vision ids are known once it is built
+                "image_token_id": 0, "vision_start_token_id": 1, "vision_end_token_id": 2}
     if arch.num_experts:
         return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 128,
                 "vocab_size_unknown": True, **_moe_fields(arch)}

@@ -61,7 +61,7 @@ class RLDataConfig(UserDataConfig):
     n_train: int = field(default=32_000, metadata={"help": "generated RL prompts (the default run: one pass)"})
     n_test: int = field(default=500, metadata={"help": "generated held-out prompts"})
     task: str = field(default="arithmetic", metadata={
-        "help": "generated task: arithmetic | worked_arithmetic | code_expr (experiments/tasks/registry.py)"})
+        "help": "generated task: arithmetic | worked_arithmetic | code_expr | shapes_count (experiments/tasks/registry.py)"})
     difficulty: Optional[int] = field(default=None, metadata={
         "help": "max operand digits (None = the task's default, which its SFT start used)"})
     data_seed: int = field(default=1, metadata={"help": "seed of the generated prompts (the SFT default used 0)"})
@@ -104,6 +104,14 @@ class _RLBase(BaseExperimentConfig):
             with open(os.path.join(actor, "config.json")) as f:
                 hf = json.load(f)
         return bool(hf.get("num_experts") or hf.get("num_local_experts"))
+
+    def actor_sees_images(self) -> bool:
+        """Whether the actor is a vision-language model (its config has a vision tower): then every
+        sample carries the image keys and the graph routes them to each actor forward pass."""
+        from parallel.backend import read_hf_config
+        from realflow.data.images import is_vision_language
+
+        return is_vision_language(read_hf_config(self._paths()[0]) or self.planned_actor_config() or {})
     _graph = "grpo"
 
     def _sft_dir(self) -> str:
@@ -175,7 +183,7 @@ class _RLBase(BaseExperimentConfig):
                 raise ValueError(f"ppo.max_new_tokens={self.ppo.max_new_tokens} leaves no room for a prompt in the "
                                  f"model's context of {ctx} tokens (max_position_embeddings): lower it")
             limit = max(limit, 1) if real is not None else (limit if limit >= 1 else ctx or 1024)
-        args = self.dataset.data_args(max_prompt_len=limit)
+        args = self.dataset.data_args(image_inputs=self.actor_sees_images(), max_prompt_len=limit)
         if not self.dataset.train_path:  # generated data: its length filter, as it always was
             args["filter_overlong"] = True
         return args
@@ -210,7 +218,7 @@ class _RLBase(BaseExperimentConfig):
         gcfg = PPOGraphConfig(
             batch_size=self.batch_size, n_samples=h.n_samples, use_critic=use_critic, use_ref=h.kl_coef > 0,
             ref_ema_eta=h.ref_ema_eta, ref_from_actor_base=lora.enabled,
-            routing_replay=self.routing_replay(actor, planned),
+            routing_replay=self.routing_replay(actor, planned), images=self.actor_sees_images(),
             gen_mb=MicroBatchSpec(), inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             actor_args={**h.actor_args(), "seed": self.seed},

@@ -53,7 +53,7 @@ class SFTDataConfig(UserDataConfig):
     n_train: int = field(default=50_000, metadata={"help": "generated training problems"})
     n_test: int = field(default=200, metadata={"help": "generated held-out problems"})
     task: str = field(default="arithmetic", metadata={
-        "help": "generated task: arithmetic | worked_arithmetic | code_expr (experiments/tasks/registry.py)"})
+        "help": "generated task: arithmetic | worked_arithmetic | code_expr | shapes_count (experiments/tasks/registry.py)"})
     difficulty: Optional[int] = field(default=None, metadata={
         "help": "max operand digits of generated problems (None = the task's default)"})
     data_seed: int = field(default=0, metadata={"help": "seed of the generated data"})
@@ -168,10 +168,19 @@ class SFTConfig(BaseExperimentConfig):
         if prompt >= seq:
             raise ValueError(f"dataset.max_prompt_len={prompt} must be < the sequence limit {seq} "
                              "(dataset.max_seq_len, default the model's context)")
-        args = d.data_args(max_prompt_len=prompt, max_seq_len=seq)
+        args = d.data_args(image_inputs=self.sees_images(), max_prompt_len=prompt, max_seq_len=seq)
         if not d.train_path:
             args["filter_overlong"] = True
         return args
+
+    def sees_images(self) -> bool:
+        """Whether the trained model is a vision-language one (its config has a vision tower)."""
+        from parallel.backend import read_hf_config
+        from realflow.data.images import is_vision_language
+
+        model = self._paths()[3]
+        return is_vision_language((read_hf_config(model) if self.model.path else None)
+                                  or planned_hf_config(self.model.arch))
 
     def pending_paths(self) -> list[str]:
         train, test, tok, model = self._paths()
@@ -195,14 +204,14 @@ class SFTConfig(BaseExperimentConfig):
         if self._careless():
             ensure_careless_copy(self._clean_train(), ds.slip_rate)
         if not self.model.path and not self.model.tokenizer_path:
-            ensure_tokenizer(tok, [self._clean_train()])
+            (self._task().ensure_tokenizer or ensure_tokenizer)(tok, [self._clean_train()])
         if not self.model.path:
             ensure_random_checkpoint(model, tok, self.model.arch, self.seed)
 
     def setup(self) -> ExperimentSetup:
         train, test, tok, model = self._paths()
         mb_spec = MicroBatchSpec(n_mbs=1, max_tokens_per_mb=self.max_tokens_per_mb)
-        mfcs = graph_registry.get("sft")(self.batch_size, mb_spec, role="default")
+        mfcs = graph_registry.get("sft")(self.batch_size, mb_spec, role="default", images=self.sees_images())
         data_args = self.data_args()
         return ExperimentSetup(
             experiment_name=self.experiment_name or "sft",

@@ -22,6 +22,7 @@ from typing import Any
 from graphs.ppo import ACTOR, ref_model
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import register_graph
+from realflow.api.images import IMAGE_KEYS
 from realflow.api.keys import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROX_LOGPROBS, REF_LOGPROBS, REWARDS,
                                ROUTED_EXPERTS)
 from realflow.api.mfc import MFCDef, ModelInterfaceType
@@ -35,6 +36,8 @@ class AsyncPPOGraphConfig:
     #: MoE actor, rollout routing replay: actor_inf (proximal) and actor_train route each token to the
     #: experts the generation server chose (the trajectories carry them)
     routing_replay: bool = False
+    #: vision-language actor: the trajectories' image keys reach every forward pass
+    images: bool = False
     inf_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     train_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     actor_args: dict[str, Any] = field(default_factory=dict)
@@ -46,6 +49,8 @@ def build_async_ppo_graph(cfg: AsyncPPOGraphConfig) -> list[MFCDef]:
     I, T = ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
     actor_args = dict(cfg.actor_args, decoupled=True)
     replay = [ROUTED_EXPERTS] if cfg.routing_replay else []
+    img = list(IMAGE_KEYS) if cfg.images else []
+    replay += img  # (the images ride along wherever the routes do: every actor forward pass)
     train_in = [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, PROX_LOGPROBS, *replay]
     mfcs = [MFCDef(name="actor_inf", model_name=ACTOR, interface_type=I, interface_impl="ppo_actor",
                    interface_args=actor_args, input_keys=(INPUT_IDS, *replay), output_keys=(PROX_LOGPROBS,),
@@ -53,7 +58,7 @@ def build_async_ppo_graph(cfg: AsyncPPOGraphConfig) -> list[MFCDef]:
     if cfg.use_ref:
         role, ref_args = ref_model(cfg.actor_args, cfg.ref_from_actor_base)
         mfcs.append(MFCDef(name="ref_inf", model_name=role, interface_type=I, interface_impl="ppo_ref",
-                           interface_args=ref_args, input_keys=(INPUT_IDS,), output_keys=(REF_LOGPROBS,),
+                           interface_args=ref_args, input_keys=(INPUT_IDS, *img), output_keys=(REF_LOGPROBS,),
                            n_seqs=cfg.batch_size, mb_spec=cfg.inf_mb))
         train_in.append(REF_LOGPROBS)
     mfcs.append(MFCDef(name="actor_train", model_name=ACTOR, interface_type=T, interface_impl="ppo_actor",

@@ -25,6 +25,7 @@ from typing import Any
 
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import register_graph
+from realflow.api.images import IMAGE_KEYS
 from realflow.api.keys import (ANSWER, INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROMPTS, REF_LOGPROBS,  # noqa: F401
                                REWARDS, ROUTED_EXPERTS, VALUES)
 from realflow.api.mfc import MFCDef, ModelInterfaceType, ParamReallocHook
@@ -47,6 +48,9 @@ class PPOGraphConfig:
     #: MoE actor, rollout routing replay: actor_gen emits the experts it chose per token and
     #: actor_train routes every token to them (the critic and the reference route on their own)
     routing_replay: bool = False
+    #: vision-language actor: each prompt's images (the data set's image keys) reach generation and
+    #: every forward pass of the actor and the reference
+    images: bool = False
     gen_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     inf_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     train_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
@@ -80,15 +84,21 @@ def build_ppo_family(cfg: PPOGraphConfig) -> list[MFCDef]:
     actor_args = dict(cfg.actor_args, n_samples=cfg.n_samples)
     train_in = [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS]
     replay = [ROUTED_EXPERTS] if cfg.routing_replay else []
+    if cfg.images and cfg.use_critic:
+        raise ValueError("a vision-language actor trains without a critic here (use the grpo graph): "
+                         "critics are text-only models")
+    img = list(IMAGE_KEYS) if cfg.images else []
+    train_in += img
     mfcs = [
-        _mfc("actor_gen", ACTOR, G, "ppo_actor", actor_args, [PROMPTS],
+        _mfc("actor_gen", ACTOR, G, "ppo_actor", actor_args, [PROMPTS, *img],
              [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, *replay], cfg, cfg.gen_mb),
         _mfc("reward_inf", REWARD, I, "rule_reward", cfg.reward_args, [INPUT_IDS, PROMPT_MASK, ANSWER],
              [REWARDS], cfg, cfg.inf_mb),
     ]
     if cfg.use_ref:
         role, ref_args = ref_model(cfg.actor_args, cfg.ref_from_actor_base, cfg.ref_ema_eta)
-        mfcs.append(_mfc("ref_inf", role, I, "ppo_ref", ref_args, [INPUT_IDS], [REF_LOGPROBS], cfg, cfg.inf_mb))
+        mfcs.append(_mfc("ref_inf", role, I, "ppo_ref", ref_args, [INPUT_IDS, *img], [REF_LOGPROBS], cfg,
+                         cfg.inf_mb))
         train_in.append(REF_LOGPROBS)
     if cfg.use_critic:
         mfcs.append(_mfc("critic_inf", CRITIC, I, "ppo_critic", cfg.critic_args, [INPUT_IDS], [VALUES],

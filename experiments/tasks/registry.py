@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class TaskSpec:
     sft_trial: str  # trial name of that SFT run under fileroot/sft/
     reward: str = "arithmetic"  # the registered reward that checks a response against a row's answer
     eval_reward: str = ""  # held-out score: "" = final-answer exact match, else a registered reward
+    # (tokenizer dir, train files) -> writes the task's tokenizer; None: a word-level one fitted on the data
+    ensure_tokenizer: Optional[Callable[[str, list[str]], Any]] = None
 
 
 def _arith(out_dir: str, n_train: int, n_test: int, seed: int, difficulty: int) -> Any:
@@ -58,6 +60,18 @@ def _code(out_dir: str, n_train: int, n_test: int, seed: int, difficulty: int) -
     return ensure_dataset(out_dir, n_train, n_test, seed, difficulty)
 
 
+def _shapes(out_dir: str, n_train: int, n_test: int, seed: int, difficulty: int) -> Any:
+    from experiments.tasks.shapes_count import ensure_dataset
+
+    return ensure_dataset(out_dir, n_train, n_test, seed, difficulty)
+
+
+def _shapes_tokenizer(out_dir: str, _train_files: list[str]) -> Any:
+    from experiments.tasks.shapes_count import ensure_tokenizer
+
+    return ensure_tokenizer(out_dir)
+
+
 TASKS: dict[str, TaskSpec] = {
     "arithmetic": TaskSpec("arithmetic", "arith", 2, _arith, (), 16, "trial0"),
     "worked_arithmetic": TaskSpec(
@@ -68,6 +82,10 @@ TASKS: dict[str, TaskSpec] = {
         "code_expr", "code", 2, _code,
         ("dataset.task=code_expr", "max_train_steps=400", "dataset.n_test=100"),
         16, "code_expr", reward="code-tests", eval_reward="code-tests"),
+    # vision-language (experiments/tasks/shapes_count.py): count the shapes in an 84x84 image; the
+    # start is a tiny Qwen2.5-VL trained from scratch (SHAPES_SFT_ARGS, tuned in experiments/vlm.py)
+    "shapes_count": TaskSpec(
+        "shapes_count", "shapes", 6, _shapes, (), 8, "shapes_count", ensure_tokenizer=_shapes_tokenizer),
 }
 
 

@@ -25,13 +25,16 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["IMAGE_PIXELS", "IMAGE_GRID", "IMAGES_EXTRA", "ImageInputs", "ImageProcessing", "ImageError", "ImageSource",
+__all__ = ["IMAGE_PIXELS", "IMAGE_GRID", "IMAGE_KEYS", "IMAGES_EXTRA", "ImageInputs", "ImageProcessing", "ImageError", "ImageSource",
            "decode_image", "process_images", "image_token_counts", "expand_image_tokens"]
 
 #: the processor's patches of a sample's images, ``[patches, C*T*P*P]`` float32 (one sequence per sample)
 IMAGE_PIXELS = "pixel_values"
 #: each image's ``(t, h, w)`` patch grid, ``[images, 3]`` int64 (one sequence per sample)
 IMAGE_GRID = "image_grid_thw"
+
+#: both keys, in the order graphs list them
+IMAGE_KEYS = (IMAGE_PIXELS, IMAGE_GRID)
 
 #: the key of a training micro-batch's ``extra`` holding one ImageInputs (or None) per sequence
 IMAGES_EXTRA = "images"

@@ -36,11 +36,11 @@ from typing import Any, Optional, Sequence
 from realflow.api.data_formats import RowInvalid
 from realflow.api.images import ImageError, ImageProcessing, decode_image
 
-__all__ = ["IMAGE_KEYS", "IMAGE_PLACEHOLDER", "IMAGE_PART_TYPES", "VisionTokens", "vision_tokens",
+__all__ = ["IMAGE_FIELDS", "IMAGE_PLACEHOLDER", "IMAGE_PART_TYPES", "VisionTokens", "vision_tokens",
            "take_row_images", "resolve_image", "count_placeholders", "place_images", "to_content_parts",
            "plain_image_text", "is_vision_language", "first_image_row"]
 
-IMAGE_KEYS = ("images", "image")
+IMAGE_FIELDS = ("images", "image")  # where a row keeps its images (dataset.image_key overrides)
 IMAGE_PLACEHOLDER = "<image>"
 IMAGE_PART_TYPES = ("image", "image_url")
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
@@ -134,7 +134,7 @@ def take_row_images(raw: dict, image_key: Optional[str], base_dir: str,
     The field is ``image_key`` when given, else ``images`` or ``image``; images inline in
     content parts are taken when the row has no such field. A bad image raises
     :class:`RowInvalid` naming the field and the item."""
-    keys = (image_key,) if image_key else IMAGE_KEYS
+    keys = (image_key,) if image_key else IMAGE_FIELDS
     present = [k for k in keys if k in raw]
     if len(present) > 1:
         raise RowInvalid(f"the row has both fields {present[0]!r} and {present[1]!r}: give its images in one")
@@ -248,7 +248,7 @@ def first_image_row(path: str, image_key: Optional[str] = None) -> Optional[tupl
     rows only (no image is opened): the launcher's check that a text-only model gets no images."""
     from realflow.data.readers import read_records
 
-    keys = (image_key,) if image_key else IMAGE_KEYS
+    keys = (image_key,) if image_key else IMAGE_FIELDS
     for n, raw, unit in read_records(path, bad=[]):
         for k in keys:
             v = raw.get(k)

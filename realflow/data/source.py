@@ -49,7 +49,7 @@ import torch
 from realflow.api.batch import SequenceBatch
 from realflow.api.data_formats import DATA_SOURCES, DataSource, register_data_source
 from realflow.api.experiment import DatasetSpec
-from realflow.api.images import IMAGE_GRID, IMAGE_PIXELS, ImageInputs, ImageProcessing
+from realflow.api.images import IMAGE_KEYS, IMAGE_GRID, IMAGE_PIXELS, ImageInputs, ImageProcessing
 from realflow.api.registry import did_you_mean
 from realflow.data.dataset import (DATASET_FORMATS, FieldMap, PromptAnswerDataset, PromptAnswerRow, PromptFormat,
                                   SFTDataset, SFTRow, load_rows_report)
@@ -63,7 +63,6 @@ logger = logging.getLogger(__name__)
 _SFT_KEYS = ("packed_input_ids", "prompt_mask")
 _PROMPT_KEYS = ("packed_prompts",)
 _METADATA_KEYS = ("answer",)
-IMAGE_KEYS = (IMAGE_PIXELS, IMAGE_GRID)
 _BUILTIN_KIND = {"sft": "sft", "prompt_answer": "prompt", "gsm8k": "prompt", "boxed": "prompt"}
 FORMAT_ARGS = ("chat_template", "chat_template_text", "system_prompt", "prompt_template", "add_generation_prompt")
 FIELD_ARGS = ("prompt_key", "answer_key", "response_key", "image_key")

@@ -15,3 +15,4 @@ import experiments.ppo_math  # noqa: F401  (registers "ppo-math" and "grpo-math"
 import experiments.async_ppo_math  # noqa: F401  (registers "async-grpo-math")
 import experiments.async_ppo_code  # noqa: F401  (registers "async-grpo-code": code_expr, code-tests reward)
 import experiments.sft  # noqa: F401  (registers the "sft" experiment)
+import experiments.vlm  # noqa: F401  (registers "vlm-grpo": a Qwen2.5-VL counting shapes in images)

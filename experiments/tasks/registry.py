@@ -85,7 +85,10 @@ TASKS: dict[str, TaskSpec] = {
     # vision-language (experiments/tasks/shapes_count.py): count the shapes in an 84x84 image; the
     # start is a tiny Qwen2.5-VL trained from scratch (SHAPES_SFT_ARGS, tuned in experiments/vlm.py)
     "shapes_count": TaskSpec(
-        "shapes_count", "shapes", 6, _shapes, (), 8, "shapes_count", ensure_tokenizer=_shapes_tokenizer),
+        "shapes_count", "shapes", 6, _shapes,
+        ("dataset.task=shapes_count", "model.arch.vision=true", "dataset.n_train=8000", "dataset.n_test=200",
+         "max_train_steps=250", "dataset.slip_rate=0.3"),
+        8, "shapes_count_careless", ensure_tokenizer=_shapes_tokenizer),
 }
 
 

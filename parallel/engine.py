@@ -73,6 +73,7 @@ from parallel.pipeline import (
     split_packed,
 )
 from parallel.packing import check_packed
+from parallel.vision import image_layout
 from parallel.vision_step import VisionStep
 from realflow.api.allocation import ParallelStrategy
 from realflow.api.engine import BatchGenerator, LossFn, MicroBatches
@@ -315,10 +316,13 @@ class MegatronEngine(EngineHFMixin):
             return out.values()[:, None] if self.critic else out.logits()
 
         return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn, self._routes(routed_experts),
-                                  self._images(images, seqlens))
+                                  self._images(images, seqlens, input_ids))
 
-    def _images(self, images: Optional[list[Any]], seqlens: list[int]) -> Optional[list[Any]]:
-        """Per-sequence images of a VL model (checked); images given to a text-only model are refused."""
+    def _images(self, images: Optional[list[Any]], seqlens: list[int],
+                input_ids: Optional[torch.Tensor] = None) -> Optional[list[Any]]:
+        """Per-sequence images of a VL model, checked against ``input_ids``' placeholders here, before
+        any collective (a mismatch found inside one rank's forward would leave its peers waiting in
+        the gradient all-reduce); images given to a text-only model are refused."""
         if images is None:
             return None
         if self.vision_step is None:
@@ -328,6 +332,15 @@ class MegatronEngine(EngineHFMixin):
             return None
         if len(images) != len(seqlens):
             raise ValueError(f"images: {len(images)} entries for {len(seqlens)} sequences")
+        if input_ids is not None:
+            off = 0
+            for i, (n, img) in enumerate(zip(seqlens, images)):
+                grid = None if img is None or img.num_images == 0 else img.grid_thw
+                try:
+                    image_layout(input_ids[off:off + int(n)].cpu(), grid, self.arch.vision)
+                except ValueError as e:
+                    raise ValueError(f"sequence {i}: {e}") from None
+                off += int(n)
         return list(images)
 
     def _routes(self, routed_experts: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -363,7 +376,7 @@ class MegatronEngine(EngineHFMixin):
             return (lp, ent) if with_entropy else lp
 
         return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn, self._routes(routed_experts),
-                                  self._images(images, seqlens))
+                                  self._images(images, seqlens, input_ids))
 
     def values(self, input_ids: torch.Tensor, seqlens: list[int],
                max_tokens_per_mb: Optional[int] = None, *,
@@ -372,7 +385,7 @@ class MegatronEngine(EngineHFMixin):
         if not self.critic:
             raise TypeError("values() on an LM engine (build it with critic=True)")
         return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, lambda out, mb: out.values(),
-                                  images=self._images(images, seqlens))
+                                  images=self._images(images, seqlens, input_ids))
 
     @torch.no_grad()
     def greedy_generate(self, prompts: list[list[int]], max_new_tokens: int,
@@ -475,7 +488,7 @@ class MegatronEngine(EngineHFMixin):
                 if images is not None:  # host-side inputs of the forward, not tensors of the loss
                     extra = {k: v for k, v in extra.items() if k != IMAGES_EXTRA}
                 mbs.append(MicroBatch(ids, lens, to_device(extra, self.device),  # once, not per use
-                                      routes=self._routes(routes), images=self._images(images, lens)))
+                                      routes=self._routes(routes), images=self._images(images, lens, ids)))
         except (ValueError, TypeError) as e:
             problem = str(e)
         problem = self._check_replica_agrees(mbs, problem)

@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 
 __all__ = ["VL_MODEL_TYPES", "VisionArch", "vision_arch", "language_config", "build_vision_tower",
-           "vision_features", "mrope_positions", "packed_mrope_positions", "VISION_PREFIX"]
+           "vision_features", "mrope_positions", "image_layout", "packed_mrope_positions", "VISION_PREFIX"]
 
 #: top-level model_type of the HF configs with a vision tower -> the class that loads them
 VL_MODEL_TYPES = {"qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration"}
@@ -126,23 +126,35 @@ def mrope_positions(ids: torch.Tensor, grid_thw: Optional[torch.Tensor], arch: V
     ``ids`` holds each image's placeholders already expanded (``t*h*w/merge**2`` of
     ``image_token_id`` per image, in order).
     """
+    pos, delta, _ = image_layout(ids, grid_thw, arch)
+    return pos, delta
+
+
+def image_layout(ids: torch.Tensor, grid_thw: Optional[torch.Tensor], arch: VisionArch
+                 ) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(``[3, L]`` M-RoPE positions, delta, ``[L]`` bool: the tokens that take image features).
+
+    The first runs of ``image_token_id`` are the images' placeholders, in order. Image tokens
+    after the last image's are plain tokens: a policy may *generate* ``<|image_pad|>``, and the
+    generator embedded it as a word at the next text position, which the trainer must do too
+    (transformers tells them apart with the processor's ``mm_token_type_ids``: prompt only).
+    """
     L = int(ids.numel())
     is_image = (ids == arch.image_token_id).tolist()
     grids = [] if grid_thw is None else [tuple(int(v) for v in g) for g in grid_thw.tolist()]
     merge = arch.spatial_merge_size
     out = torch.empty((3, L), dtype=torch.long)
+    slots = torch.zeros(L, dtype=torch.bool)
     cur, i, g = 0, 0, 0
     while i < L:
-        if not is_image[i]:
-            j = i
-            while j < L and not is_image[j]:
+        if not is_image[i] or g >= len(grids):
+            j = i + 1
+            while j < L and not (is_image[j] and g < len(grids)):
                 j += 1
             out[:, i:j] = torch.arange(cur, cur + j - i)
             cur += j - i
             i = j
             continue
-        if g >= len(grids):
-            raise ValueError(f"more image placeholder runs than images ({len(grids)}) in a sequence of {L} tokens")
         t, h, w = grids[g][0], grids[g][1] // merge, grids[g][2] // merge
         n = t * h * w
         if i + n > L or not all(is_image[i:i + n]):
@@ -151,13 +163,14 @@ def mrope_positions(ids: torch.Tensor, grid_thw: Optional[torch.Tensor], arch: V
         out[0, i:i + n] = tt.reshape(-1) + cur
         out[1, i:i + n] = hh.reshape(-1) + cur
         out[2, i:i + n] = ww.reshape(-1) + cur
+        slots[i:i + n] = True
         cur += max(h, w)
         g += 1
         i += n
     if g != len(grids):
         raise ValueError(f"{len(grids)} images but {g} placeholder runs in the sequence")
     delta = (int(out.max()) + 1 - L) if L else 0
-    return out, delta
+    return out, delta, slots
 
 
 def packed_mrope_positions(input_ids: torch.Tensor, seqlens: list[int], grids: list[Optional[torch.Tensor]],

@@ -20,7 +20,7 @@ import torch
 
 from realflow.api.images import ImageInputs
 from parallel.packing import PaddedBatch
-from parallel.vision import VisionArch, mrope_positions, vision_features
+from parallel.vision import VisionArch, image_layout, vision_features
 
 __all__ = ["VisionStep"]
 
@@ -35,10 +35,12 @@ class VisionStep:
         self.sequence_parallel = sequence_parallel
         self.tp_group = tp_group
 
-    def positions(self, pb: PaddedBatch, images: Optional[Sequence[Optional[ImageInputs]]]) -> torch.Tensor:
-        """``[3, B, S]`` M-RoPE positions (0 on padding)."""
+    def layout(self, pb: PaddedBatch, images: Optional[Sequence[Optional[ImageInputs]]]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[3, B, S]`` M-RoPE positions (0 on padding) and ``[B, S]``: the tokens taking image features."""
         B, S = pb.input_ids.shape
         out = torch.zeros((3, B, S), dtype=torch.long)
+        mask = torch.zeros((B, S), dtype=torch.bool)
         ids, valid = pb.input_ids.cpu(), pb.valid.cpu()
         for row in range(B):
             n = int(valid[row].sum())
@@ -46,15 +48,17 @@ class VisionStep:
                 continue
             img = images[row] if images is not None and row < len(images) else None
             grid = None if img is None or img.num_images == 0 else img.grid_thw
-            pos, _ = mrope_positions(ids[row, :n], grid, self.arch)
+            pos, _, slots = image_layout(ids[row, :n], grid, self.arch)
             out[:, row, :n] = pos
-        return out.to(pb.input_ids.device)
+            mask[row, :n] = slots
+        return out.to(pb.input_ids.device), mask.to(pb.input_ids.device)
 
-    def embeddings(self, pb: PaddedBatch, images: Optional[Sequence[Optional[ImageInputs]]]) -> torch.Tensor:
-        """``[S(/tp), B, h]`` decoder input: token embeddings with image rows replaced by features."""
+    def embeddings(self, pb: PaddedBatch, images: Optional[Sequence[Optional[ImageInputs]]],
+                   mask: torch.Tensor) -> torch.Tensor:
+        """``[S(/tp), B, h]`` decoder input: token embeddings with the image slots (``mask``
+        ``[B, S]``) replaced by features."""
         emb = self.module.embedding(input_ids=pb.input_ids, position_ids=None)  # [S, B, h], whole sequence
         given = [img for img in (images or []) if img is not None and img.num_images > 0]
-        mask = (pb.input_ids == self.arch.image_token_id) & pb.valid  # [B, S]
         n_slots = int(mask.sum())
         if given or n_slots:
             batch = ImageInputs.concat(given)
@@ -74,6 +78,6 @@ class VisionStep:
 
     def forward(self, model: Any, pb: PaddedBatch, images: Optional[Sequence[Optional[ImageInputs]]]) -> Any:
         """``model`` (possibly DDP-wrapped) on this micro-batch; the first stage embeds."""
-        pos = self.positions(pb, images)
-        dec = self.embeddings(pb, images) if getattr(self.module, "pre_process", True) else None
+        pos, mask = self.layout(pb, images)
+        dec = self.embeddings(pb, images, mask) if getattr(self.module, "pre_process", True) else None
         return model(pb.input_ids, pos, None, decoder_input=dec)

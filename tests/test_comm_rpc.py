@@ -127,6 +127,22 @@ def test_handler_exception_is_remote_error(master):
     assert master.call("w0", "echo", "still serving", timeout=10) == "still serving"
 
 
+def test_a_failed_request_shows_before_its_siblings_answer(master):
+    """``any_failed``: the master learns of one failed request while another of the same batch is
+    still running (in a run, that one may be blocked in a collective with the failed worker and
+    never answer: Master._wait stops waiting and raises the failure, naming worker and handler)."""
+    bad = master.request("w0", "boom", 3, timeout=10)
+    slow = master.request("w0", "sleep", 1.5, timeout=10)
+    t0 = time.monotonic()
+    while not master.any_failed([slow, bad]):
+        master.poll_once(0.1)
+        assert time.monotonic() - t0 < 10
+    assert not master.done([slow, bad])  # the sibling has not answered, yet the failure is known
+    with pytest.raises(RemoteError, match="kaboom 3"):
+        master.wait([slow, bad], timeout=10)
+    assert master.wait([slow], timeout=10)[slow] == "slept"
+
+
 def test_deadline_names_worker_handler_and_request(master):
     t0 = time.monotonic()
     rid = master.request("w0", "sleep", 1.0, timeout=0.3)

@@ -5,7 +5,8 @@ full-attention block) and packed sequences mixing text-only prompts, one image a
 of different sizes (pixels through transformers' image processor). One 2-rank gloo group runs
 every case (parallel.testing.run_cases). Per layout (d1, t2, p2, d2):
 
-1. packed varlen fp32 logits with images (one micro-batch and several uneven ones) equal
+1. packed varlen fp32 logits with images (one micro-batch and several uneven ones; one response
+   GENERATED <|image_pad|> tokens, which stay words, as in the generator) equal
    ``Qwen2_5_VLForConditionalGeneration``'s within LOGIT_ATOL, and greedy continuations (the
    engine's cache-free ``greedy_generate``, what SFT's held-out score uses) equal ``generate``'s;
 2. ``save_hf`` reloads in transformers bit-identical to the original (tower included);
@@ -59,7 +60,7 @@ def _samples():
     def text(n):
         return torch.randint(3, 140, (n,), generator=g).tolist()
 
-    layouts = [(7, []), (3, [(100, 90)]), (4, [(60, 130), (56, 56)]), (12, []), (2, [(120, 70)])]
+    layouts = [(7, []), (3, [(100, 90)]), (4, [(60, 130), (56, 56)]), (12, []), (2, [(120, 70)]), (3, [(56, 84)])]
     out = []
     for i, (n, sizes) in enumerate(layouts):
         ids = text(n)
@@ -69,8 +70,14 @@ def _samples():
         for j, _ in enumerate(sizes):
             ids = ids + [START, IMG, END] + text(2 + j)
         imgs = process_images([_png(h, w, 10 * i + j) for j, (h, w) in enumerate(sizes)], proc)
-        out.append((torch.tensor(expand_image_tokens(ids, imgs.grid_thw, IMG, 2)), imgs))
+        ids = expand_image_tokens(ids, imgs.grid_thw, IMG, 2)
+        if i == len(layouts) - 1:  # a response that GENERATED <|image_pad|>: a word, not an image slot
+            ids = ids + [IMG] + text(2) + [IMG, IMG]
+        out.append((torch.tensor(ids), imgs))
     return out
+
+
+GENERATED_IMAGE_TOKENS = 3  # the last sample's response holds 3 generated <|image_pad|>
 
 
 def _path(ctx, name="vl"):
@@ -83,9 +90,27 @@ def _seq_logprobs(logits, ids):
 
 
 def _hf_logits(model, ids, imgs):
-    kw = {} if imgs is None else dict(pixel_values=imgs.pixel_values, image_grid_thw=imgs.grid_thw,
-                                      mm_token_type_ids=(ids == IMG).int()[None])
-    return model(input_ids=ids[None], **kw).logits[0]
+    if imgs is None:
+        return model(input_ids=ids[None]).logits[0]
+    prompt_images = (ids == IMG) & (torch.arange(len(ids)) < _last_slot(ids, imgs) + 1)
+    if bool(prompt_images.sum() == (ids == IMG).sum()):
+        return model(input_ids=ids[None], pixel_values=imgs.pixel_values, image_grid_thw=imgs.grid_thw,
+                     mm_token_type_ids=(ids == IMG).int()[None]).logits[0]
+    # generated image tokens: transformers' forward would count them as placeholders, so build its
+    # inputs as generate() does: features into the prompt's slots only, positions from the
+    # processor's token types (prompt image tokens only), the rest embedded as words
+    m = model.model
+    emb = m.get_input_embeddings()(ids[None])
+    feats = torch.cat(m.get_image_features(imgs.pixel_values, imgs.grid_thw).pooler_output)
+    emb = emb.masked_scatter(prompt_images[None, :, None], feats.to(emb.dtype))
+    pos, _ = m.get_rope_index(ids[None], prompt_images.int()[None], image_grid_thw=imgs.grid_thw)
+    return model(inputs_embeds=emb, position_ids=pos).logits[0]
+
+
+def _last_slot(ids, imgs):
+    """Index of the prompt's last image placeholder (the images' token count, in order)."""
+    need = int((imgs.grid_thw.prod(-1) // 4).sum())
+    return int((ids == IMG).nonzero().flatten()[need - 1])
 
 
 def _make_references(ctx):
@@ -99,7 +124,7 @@ def _make_references(ctx):
     ref = {}
     with torch.no_grad():
         ref["logits"] = torch.cat([_hf_logits(model, ids, imgs).float() for ids, imgs in samples])
-        for i, (ids, imgs) in enumerate(samples):
+        for i, (ids, imgs) in enumerate(samples[:-1]):  # (transformers' generate cannot take the last)
             kw = {} if imgs is None else dict(pixel_values=imgs.pixel_values, image_grid_thw=imgs.grid_thw,
                                               mm_token_type_ids=(ids == IMG).int()[None])
             out = model.generate(input_ids=ids[None], max_new_tokens=GREEDY_TOKENS, do_sample=False,
@@ -197,7 +222,7 @@ def _run(ctx, layout):
         if out is not None:
             res[f"logits_err_mb{budget}"] = err = (out - ref["logits"]).abs().max().item()
             assert err <= LOGIT_ATOL, f"{layout} budget={budget}: logits differ by {err}"
-    greedy = eng.greedy_generate([i.tolist() for i in ids.split(lens)], GREEDY_TOKENS, images=images)
+    greedy = eng.greedy_generate([i.tolist() for i in ids.split(lens)][:-1], GREEDY_TOKENS, images=images[:-1])
     for i, got in enumerate(greedy):
         assert got == ref[f"greedy{i}"].tolist(), (layout, i, got, ref[f"greedy{i}"].tolist())
     out_dir = _path(ctx, f"saved_{layout}")

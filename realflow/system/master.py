@@ -92,7 +92,8 @@ class Master:
         """Wait for replies, failing fast (and by name) when a worker stops heartbeating."""
         ep = self.ep
         end = time.monotonic() + timeout
-        while not ep.done(rids):
+        while not ep.done(rids) and not ep.any_failed(rids):  # a failure is raised at once (by ep.wait):
+            # its peers may be blocked in a collective with the failed worker and never answer
             # heartbeats arrive every second: checking a few times a second is enough, and the
             # timer spans calls (a check per call would cost every short MFC microseconds)
             now = time.monotonic()

@@ -153,6 +153,11 @@ class MasterEndpoint(SocketEndpoint):
         """
         return self._pump(timeout)
 
+    def any_failed(self, request_ids: Iterable[int]) -> bool:
+        """True when one of ``request_ids`` has an error reply waiting (``wait`` raises it)."""
+        results = self._results
+        return any(rid in results and not results[rid][0] for rid in request_ids)
+
     def done(self, request_ids: Iterable[int]) -> bool:
         """True when every request in ``request_ids`` has a reply (or error) waiting to be collected."""
         return all(rid in self._results for rid in request_ids)

@@ -14,8 +14,8 @@ question is the same words). Then:
   trajectories carry the processed pixels to the trainer) trains on exactly the generated
   policy's distribution at the first step and raises the reward;
 
-and neither leaves a process behind. The start costs ~2 min on 2 cores (the phase where the tiny
-model learns to use its image tokens takes ~150 steps), which both runs share.
+and neither leaves a process behind. The start costs ~5 min on 2 cores (see VL_SFT_START), which
+both runs share.
 """
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ import psutil
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# the shipped start (experiments/tasks/registry.py) trains 400 cosine steps on 16k images; a
-# constant learning rate gets past the same phase change in ~150 steps on half the data
-VL_SFT_START = ["dataset.task=shapes_count", "model.arch.vision=true", "dataset.n_train=8000", "dataset.n_test=64",
-                "max_train_steps=220", "total_train_epochs=4", "dataset.slip_rate=0.3",
-                "optimizer.lr_scheduler_type=constant", "trial_name=shapes_count_careless"]
+# the shipped start (experiments/tasks/registry.py), held-out set cut to 64 images. Why not a
+# cheaper one: the tiny model learns to read its image tokens in one jump (~150-200 steps on 16k
+# images); 8k images (cosine or constant lr) or 240 constant-lr steps on 16k stayed at chance
+VL_SFT_START = ["dataset.task=shapes_count", "model.arch.vision=true", "dataset.n_train=16000", "dataset.n_test=64",
+                "max_train_steps=500", "total_train_epochs=4", "dataset.slip_rate=0.3",
+                "trial_name=shapes_count_careless"]
 
 
 def _run(module, fileroot, *overrides, timeout=600):
@@ -98,7 +99,7 @@ def test_vlm_grpo_reads_images_and_learns(fileroot):
 
 @pytest.mark.timeout(900)
 def test_async_grpo_sends_images_to_the_server_and_learns(fileroot):
-    steps = 16
+    steps = 12
     res = _run("realflow.apps.main_async_ppo", fileroot, "dataset.task=shapes_count", "ppo.max_new_tokens=8",
                "dataset.n_train=1000", "dataset.n_test=32", "eval_n_samples=2", f"max_train_steps={steps}",
                "batch_size=16", "actor_optimizer.lr=1e-4", "seed=1", "trial_name=async")

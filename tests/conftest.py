@@ -127,3 +127,18 @@ def copy_sft_start(start, root):
     for sub in ("sft", "data"):
         shutil.copytree(start / sub, root / sub, dirs_exist_ok=True)
     return root
+
+
+def left_behind(fileroot) -> list[str]:
+    """Processes still running that belong to this file root's runs (workers, gen servers): what a
+    finished run must not leave."""
+    import psutil
+
+    me, out = os.getpid(), []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if p.info["pid"] != me and str(fileroot) in " ".join(p.info["cmdline"] or []):
+                out.append(" ".join(p.info["cmdline"])[:200])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out

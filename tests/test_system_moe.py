@@ -14,8 +14,8 @@ import os
 import subprocess
 import sys
 
-import psutil
 import pytest
+from conftest import left_behind
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MOE_SFT_START = ["dataset.n_train=3000", "dataset.n_test=64", "model.arch.hidden_size=64",
@@ -32,17 +32,6 @@ def _rows(run_dir):
     with open(os.path.join(run_dir, "stats.jsonl")) as f:
         return [r for r in (json.loads(line) for line in f if line.strip()) if "actor_train/reward" in r]
 
-
-def _left_behind(fileroot) -> list[str]:
-    """Processes still running that belong to this file root's runs (workers, gen servers)."""
-    me, out = os.getpid(), []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if p.info["pid"] != me and str(fileroot) in " ".join(p.info["cmdline"] or []):
-                out.append(" ".join(p.info["cmdline"])[:200])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +71,7 @@ def test_sync_grpo_on_moe_replays_the_generators_experts_and_learns(fileroot):
     # one optimizer step per batch (ppo.n_minibatches=1): every forward ran at the generation
     # weights, so the trainer's own router agrees with the replayed experts (up to ties)
     assert max(r["actor_train/moe/replay_mismatch"] for r in rows) < 0.02, rows[0]
-    assert not _left_behind(fileroot)
+    assert not left_behind(fileroot)
 
 
 @pytest.mark.timeout(600)
@@ -100,4 +89,4 @@ def test_async_grpo_on_moe_carries_experts_from_the_server_and_learns(fileroot):
     # off-policy data (the trainer's router has moved since the server chose): replay covers the drift
     assert rows[0]["actor_train/moe/replay_mismatch"] < 0.02, rows[0]["actor_train/moe/replay_mismatch"]
     assert max(r["actor_train/moe/replay_mismatch"] for r in rows) > 0.01
-    assert not _left_behind(fileroot)
+    assert not left_behind(fileroot)

@@ -24,8 +24,8 @@ import os
 import subprocess
 import sys
 
-import psutil
 import pytest
+from conftest import left_behind
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the shipped start (experiments/tasks/registry.py), held-out set cut to 64 images. Why not a
@@ -45,16 +45,6 @@ def _stats(run_dir):
     with open(os.path.join(run_dir, "stats.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
 
-
-def _left_behind(fileroot) -> list[str]:
-    me, out = os.getpid(), []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if p.info["pid"] != me and str(fileroot) in " ".join(p.info["cmdline"] or []):
-                out.append(" ".join(p.info["cmdline"])[:200])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +84,7 @@ def test_vlm_grpo_reads_images_and_learns(fileroot):
     assert rows[0]["actor_train/gen_train_kl"] < 1e-8, rows[0]["actor_train/gen_train_kl"]
     evals = [r["eval/sampled_accuracy"] for r in stats if "eval/sampled_accuracy" in r]
     assert evals[-1] > evals[0] + 0.05, evals
-    assert not _left_behind(fileroot)
+    assert not left_behind(fileroot)
 
 
 @pytest.mark.timeout(900)
@@ -109,4 +99,4 @@ def test_async_grpo_sends_images_to_the_server_and_learns(fileroot):
     # the server processed the images itself (image_data) and the trainer the data set's copy:
     # the same pixels, so the first step's behaviour and proximal log-probs agree
     assert abs(rows[0]["actor_train/behav_imp_weight"] - 1.0) < 1e-4, rows[0]["actor_train/behav_imp_weight"]
-    assert not _left_behind(fileroot)
+    assert not left_behind(fileroot)

@@ -219,7 +219,7 @@ class _RLBase(BaseExperimentConfig):
             batch_size=self.batch_size, n_samples=h.n_samples, use_critic=use_critic, use_ref=h.kl_coef > 0,
             ref_ema_eta=h.ref_ema_eta, ref_from_actor_base=lora.enabled,
             routing_replay=self.routing_replay(actor, planned), images=self.actor_sees_images(),
-            gen_mb=MicroBatchSpec(), inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
+            recompute_logprobs=h.knobs().recomputes(), gen_mb=MicroBatchSpec(), inf_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             train_mb=MicroBatchSpec(max_tokens_per_mb=self.max_tokens_per_mb),
             actor_args={**h.actor_args(), "seed": self.seed},
             critic_args={**h.critic_args(), "seed": self.seed},

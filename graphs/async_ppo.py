@@ -24,7 +24,7 @@ from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import register_graph
 from realflow.api.images import IMAGE_KEYS
 from realflow.api.keys import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROX_LOGPROBS, REF_LOGPROBS, REWARDS,
-                               ROUTED_EXPERTS)
+                               ROUTED_EXPERTS, VERSIONS)
 from realflow.api.mfc import MFCDef, ModelInterfaceType
 
 
@@ -51,7 +51,8 @@ def build_async_ppo_graph(cfg: AsyncPPOGraphConfig) -> list[MFCDef]:
     replay = [ROUTED_EXPERTS] if cfg.routing_replay else []
     img = list(IMAGE_KEYS) if cfg.images else []
     replay += img  # (the images ride along wherever the routes do: every actor forward pass)
-    train_in = [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, PROX_LOGPROBS, *replay]
+    # VERSIONS: the mismatch stats split the behaviour/proximal gap by each token's version offset
+    train_in = [INPUT_IDS, PROMPT_MASK, LOGPROBS, NO_EOS, REWARDS, PROX_LOGPROBS, VERSIONS, *replay]
     mfcs = [MFCDef(name="actor_inf", model_name=ACTOR, interface_type=I, interface_impl="ppo_actor",
                    interface_args=actor_args, input_keys=(INPUT_IDS, *replay), output_keys=(PROX_LOGPROBS,),
                    n_seqs=cfg.batch_size, mb_spec=cfg.inf_mb)]

@@ -26,8 +26,8 @@ from typing import Any
 from realflow.api.batch import MicroBatchSpec
 from realflow.api.dfg import register_graph
 from realflow.api.images import IMAGE_KEYS
-from realflow.api.keys import (ANSWER, INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROMPTS, REF_LOGPROBS,  # noqa: F401
-                               REWARDS, ROUTED_EXPERTS, VALUES)
+from realflow.api.keys import (ANSWER, INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROMPTS,  # noqa: F401
+                               PROX_LOGPROBS, REF_LOGPROBS, REWARDS, ROUTED_EXPERTS, VALUES)
 from realflow.api.mfc import MFCDef, ModelInterfaceType, ParamReallocHook
 
 
@@ -51,6 +51,9 @@ class PPOGraphConfig:
     #: vision-language actor: each prompt's images (the data set's image keys) reach generation and
     #: every forward pass of the actor and the reference
     images: bool = False
+    #: ``actor_inf`` recomputes the trainer's log-probs of the sampled tokens before actor_train, which
+    #: then uses the decoupled objective (ppo.recompute_logprobs, or a ppo.mismatch_correction)
+    recompute_logprobs: bool = False
     gen_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     inf_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
     train_mb: MicroBatchSpec = field(default_factory=MicroBatchSpec)
@@ -104,10 +107,16 @@ def build_ppo_family(cfg: PPOGraphConfig) -> list[MFCDef]:
         mfcs.append(_mfc("critic_inf", CRITIC, I, "ppo_critic", cfg.critic_args, [INPUT_IDS], [VALUES],
                          cfg, cfg.inf_mb))
         train_in.append(VALUES)
+    train_args = actor_args
+    if cfg.recompute_logprobs:  # the trainer's own old log-probs, on the weights that generated
+        mfcs.append(_mfc("actor_inf", ACTOR, I, "ppo_actor", actor_args, [INPUT_IDS, *replay, *img],
+                         [PROX_LOGPROBS], cfg, cfg.inf_mb))
+        train_in.append(PROX_LOGPROBS)
+        train_args = dict(actor_args, decoupled=True)
     hooks = []
     if cfg.use_ref and cfg.ref_ema_eta is not None:
         hooks.append(ParamReallocHook(source_role=ACTOR, target_role=REF, eta=cfg.ref_ema_eta))
-    mfcs.append(_mfc("actor_train", ACTOR, T, "ppo_actor", actor_args, train_in + replay, [], cfg, cfg.train_mb,
+    mfcs.append(_mfc("actor_train", ACTOR, T, "ppo_actor", train_args, train_in + replay, [], cfg, cfg.train_mb,
                      post_hooks=hooks, log_return_value=True))
     if cfg.use_critic:
         mfcs.append(_mfc("critic_train", CRITIC, T, "ppo_critic", cfg.critic_args, train_in, [], cfg,

@@ -24,6 +24,7 @@ import torch
 
 from mfc.advantages import as_seqlens, segment_sum
 from mfc.kl import kl_estimate
+from mfc.mismatch import correction_weights, gap_stats
 from realflow.api.registry import Registry
 
 if TYPE_CHECKING:  # the knobs import this module (its modes, its registry of policy losses)
@@ -117,7 +118,9 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     adds ``-entropy_coef * entropy``; with ``kl_in='loss'`` and ``kl_coef > 0``, ``ref_logprobs``
     adds ``kl_coef * KL(pi || pi_ref)`` per token (estimator ``cfg.kl_estimator_used()``: k3 unless
     set). ``seq-mean-token-sum-norm`` divides by ``loss_agg_norm_len`` (the interface sets it to
-    ``max_new_tokens`` when unset). The knobs are :class:`mfc.ppo_config.LossConfig`'s.
+    ``max_new_tokens`` when unset). ``mismatch_correction`` reweights or drops tokens by the
+    behaviour ratio ``pi_prox / pi_behav`` (:func:`mfc.mismatch.correction_weights`) before the
+    cap. The knobs are :class:`mfc.ppo_config.LossConfig`'s.
     """
     _same_shape(logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages,
                 loss_mask=loss_mask, prox_logprobs=prox_logprobs, entropy=entropy, ref_logprobs=ref_logprobs)
@@ -139,7 +142,9 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
         dual = (adv < 0) & (pg > bound) & mask
         pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
     with torch.no_grad():
-        behav_w = torch.exp(prox - behav)
+        # the behaviour weight pi_prox / pi_behav, after the mismatch correction (mfc.mismatch)
+        all_tokens = mask
+        behav_w, mask, corr_stats = correction_weights(prox - behav, mask, cfg, seqlens)
         capped = torch.zeros_like(mask)
         if cfg.behav_imp_weight_cap is not None:
             capped = (behav_w > cfg.behav_imp_weight_cap) & mask
@@ -157,7 +162,10 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
             raise ValueError("kl_in='loss' with kl_coef > 0 needs the reference model's logprobs")
         kl = kl_estimate(logprobs, ref_logprobs.detach(), cfg.kl_estimator_used(), value_clamp=cfg.kl_clamp)
         per_token = per_token + kl_coef * kl
-    loss = aggregate(per_token, mask, seqlens, cfg.loss_agg, cfg.loss_agg_norm_len)
+    # a token the correction or the cap drops adds nothing, but still counts in the normaliser (as in
+    # IcePop's objective; the micro-batch's weight counts it too): every aggregation treats it alike
+    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+    loss = aggregate(per_token, all_tokens, seqlens, cfg.loss_agg, cfg.loss_agg_norm_len)
     with torch.no_grad():
         m = mask.float()
         stats = {
@@ -175,6 +183,10 @@ def ppo_actor_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
         }
         if kl is not None:
             stats["kl_loss_sum"] = float((kl * m).sum())
+        stats.update(corr_stats)
+        # this policy against the generator's on the loss tokens: the mismatch, read from the first
+        # update of a step (before it, the trained weights are the ones that generated)
+        stats.update(gap_stats(logprobs, behav, loss_mask))
     return loss, stats
 
 

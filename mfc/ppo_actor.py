@@ -19,6 +19,7 @@ import torch
 
 from mfc.images import has_images, sample_images, sequence_images
 from mfc.losses import aggregation_weight, ppo_actor_loss
+from mfc.mismatch import gap_means, gap_stats
 from mfc.packed import next_token_targets
 from mfc.ppo_config import PPOConfig
 from mfc.reward import held_out_scores
@@ -28,7 +29,7 @@ from realflow.api.config_values import dict_to_config
 from realflow.api.generation import SamplingParams
 from realflow.api.interface import Model, ModelInterface, register_interface
 from realflow.api.keys import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROMPTS, PROX_LOGPROBS, REF_LOGPROBS,
-                               ROUTED_EXPERTS)
+                               ROUTED_EXPERTS, VERSIONS)
 from realflow.api.routing import routed_experts_tensor
 
 
@@ -52,8 +53,9 @@ class PPOActorInterface(ModelInterface):
     eval_n_samples: int = 8  # samples per held-out prompt for sampled_accuracy (0 = greedy only)
     eval_reward: str = ""  # "" = final-answer exact match; else a registered reward (mean = accuracy)
     eval_reward_args: dict[str, Any] = field(default_factory=dict)
-    # decoupled PPO (asynchronous runs): clip against the proximal policy (key PROX_LOGPROBS, from
-    # actor_inf) and weight each token by pi_prox / pi_behav, capped at ppo.behav_imp_weight_cap
+    # decoupled PPO (asynchronous runs, and synchronous ones with ppo.recompute_logprobs): clip against
+    # the proximal policy (key PROX_LOGPROBS, from actor_inf) and weight each token by pi_prox / pi_behav,
+    # corrected by ppo.mismatch_correction and capped at ppo.behav_imp_weight_cap
     decoupled: bool = False
     # the engine's own generator: KV-cache memory (ppo.gpu_memory_utilization, ppo.max_model_len;
     # None = the engine's defaults)
@@ -156,6 +158,7 @@ class PPOActorInterface(ModelInterface):
         totals, n_updates = up.totals, up.n_updates
         # before any update the trainer must see the generator's distribution
         gen_kl = up.first["approx_kl_k3_sum"] / max(up.first["n_loss_tokens"], 1.0)
+        gap = self._gap(model, batch, t, up.first)
         self._step += 1
         out = {k: v / n_updates for k, v in totals.items() if k in ("loss", "grad_norm", "lr")}
         out["nonfinite_skipped"] = totals.get("nonfinite_skipped", 0.0)  # updates not applied (on_nonfinite=skip)
@@ -166,6 +169,10 @@ class PPOActorInterface(ModelInterface):
         # k3 KL(behaviour || trainer) on the first mini-batch: ~1e-12 when the reallocated generation
         # weights equal the training weights and both compute the same fp32 logprobs
         out["gen_train_kl"] = gen_kl
+        out.update(gap)
+        if self.ppo.mismatch_correction != "none":
+            n_corr = eng.dp_sum([totals.get("mismatch_corrected_tokens", 0.0)])[0]
+            out["mismatch/corrected_frac"] = n_corr / max(eng.dp_sum([totals.get("n_loss_tokens", 0.0)])[0], 1.0)
         # MoE: load-balancing loss, expert load and (with replay) how often the trainer's router disagrees
         out.update({k: v / n_updates for k, v in totals.items() if k.startswith("moe/")})
         if self.decoupled:  # how far behaviour and proximal policies were apart (the off-policy gap)
@@ -188,6 +195,24 @@ class PPOActorInterface(ModelInterface):
             out["kl_ref"] = eng.dp_sum([t.stats["kl_ref_sum"]])[0] / max(n_act, 1.0)
             out["kl_coef"] = kl_coef
         return out
+
+    def _gap(self, model: Model, batch: SequenceBatch, t: Any, first: dict[str, float]) -> dict[str, float]:
+        """The step's ``mismatch/*`` stats (:func:`mfc.mismatch.gap_means`): the trainer's log-probs
+        before the update against the generator's. With proximal log-probs (decoupled runs) every
+        token counts, split by version offset when the batch carries versions; otherwise the first
+        update's tokens (one mini-batch), already reduced by the engine."""
+        if not self.decoupled or PROX_LOGPROBS not in batch.data:
+            return gap_means({k: v for k, v in first.items() if k.startswith("mismatch/")})
+        stale = None
+        if VERSIONS in batch.data:  # the version offset of each token (its logprob's position)
+            stale = model.version - batch.data[VERSIONS].long()
+        sums = gap_stats(batch.data[PROX_LOGPROBS].float(), t.old_logprobs, t.action_mask, stale)
+        eng = model.module
+        keys = sorted(k for k in sums if not k.endswith("_max"))
+        reduced = dict(zip(keys, eng.dp_sum([sums[k] for k in keys])))
+        maxima = sorted(k for k in sums if k.endswith("_max"))
+        reduced.update(zip(maxima, eng.dp_max([sums[k] for k in maxima])))
+        return gap_means(reduced)
 
     @staticmethod
     def _micro_batch(mb: SequenceBatch, lens: list[int]) -> dict:

@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Iterable, Optional
 
 from mfc.kl import KL_ESTIMATORS
 from mfc.losses import AGG_MODES, IS_LEVELS, policy_losses
+from mfc.mismatch import CORRECTIONS
 from mfc.normalization import NormConfig
 
 __all__ = ["ESTIMATORS", "CAP_MODES", "knob", "Knobs", "KLConfig", "LossConfig", "AdvantageConfig", "PPOConfig"]
@@ -167,11 +168,24 @@ class LossConfig(KLConfig):
         "decoupled PPO: a token whose behaviour weight exceeds behav_imp_weight_cap is weighted by the cap "
         "(truncate) or left out of the loss (mask)"))
 
+    mismatch_correction: str = knob("none", check=one_of(CORRECTIONS), help=(
+        "train-inference mismatch correction on rho = pi_train_old / pi_gen (docs/algorithms.md): none | tis "
+        "(weight min(rho, C)) | mis (drop tokens with rho outside [1/C, C]) | icepop (drop tokens outside "
+        "[icepop_low, icepop_high]) | seq-tis | seq-mis (the sequence's geometric-mean rho); synchronous runs "
+        "recompute the trainer's log-probs for it"))
+    mismatch_cap: float = knob(2.0, check=above(1.0, closed=True), help=(
+        "C of tis / mis / seq-tis / seq-mis (verl's rollout_is_threshold: 2)"))
+    icepop_low: float = knob(0.5, check=above(0.0), help="icepop: tokens with rho below this leave the loss")
+    icepop_high: float = knob(5.0, check=above(0.0), help="icepop: tokens with rho above this leave the loss")
+
     def kl_loss_coef(self) -> float:
         """The KL term's coefficient in the loss (0 when the KL is in the reward)."""
         return self.kl_coef if self.kl_in == "loss" else 0.0
 
     def _rules(self) -> None:
+        if not self.icepop_low < self.icepop_high:
+            raise self.clash("icepop_low", "icepop_high", "the band [icepop_low, icepop_high] is empty "
+                             "(icepop_low must be below icepop_high)")
         if self.policy_loss == "sapo":
             for other in ("dual_clip", "eps_clip_high"):
                 if getattr(self, other) is not None:
@@ -253,3 +267,12 @@ class PPOConfig(AdvantageConfig, LossConfig):
     ppo_epochs: int = knob(1, check=integer_at_least_1, help="passes over each batch")
     n_minibatches: int = knob(2, check=integer_at_least_1, help="optimizer steps per pass")
     value_eps_clip: float = knob(0.2, check=above(0.0), help="critic value clip")
+    recompute_logprobs: bool = knob(False, help=(
+        "synchronous runs: the trainer recomputes the log-probs of every sampled token before it updates "
+        "(an actor_inf pass): the clip is against its own old policy, the generator's log-probs weight the "
+        "loss as in decoupled PPO, and the mismatch is measured on every token instead of the first "
+        "mini-batch; on by itself with a mismatch_correction (asynchronous runs always have it)"))
+
+    def recomputes(self) -> bool:
+        """Whether a synchronous run adds the recompute pass (asked for, or needed by a correction)."""
+        return self.recompute_logprobs or self.mismatch_correction != "none"

@@ -463,7 +463,8 @@ class MegatronEngine(EngineHFMixin):
         Returns, on every rank: ``loss`` (global weighted mean), ``grad_norm`` (before
         clipping), ``lr`` (used by this step), ``n_tokens``, ``loss_weight`` and
         ``n_mbs`` (all global over dp), ``update_successful`` and the caller's stats,
-        each SUMMED over all micro-batches of all dp ranks.  ``loss_fn`` must return
+        each SUMMED over all micro-batches of all dp ranks (a stat named ``*_max``: the
+        maximum).  ``loss_fn`` must return
         the same stat keys on every call and every rank.  Bad input or a failing
         ``loss_fn`` on any rank makes every rank raise ValueError before the
         optimizer step (nobody is left waiting in a collective).
@@ -526,8 +527,12 @@ class MegatronEngine(EngineHFMixin):
         if g.is_last_stage:
             keys, err = self._agreed_stat_keys(stats, errors)
             payload = {"error": err, "keys": keys}
-            if not err:
-                red = self.dp_sum([sum(loss_sums)] + [sum(s[k] for s in stats) for k in keys])
+            if not err:  # stats named *_max are maxima (over micro-batches and dp), the rest sums
+                sums = [k for k in keys if not k.endswith("_max")]
+                maxima = [k for k in keys if k.endswith("_max")]
+                red = self.dp_sum([sum(loss_sums)] + [sum(s[k] for s in stats) for k in sums])
+                red += self.dp_max([max((s[k] for s in stats), default=0.0) for k in maxima]) if maxima else []
+                payload["keys"] = keys = sums + maxima
                 payload["sums"] = red
                 if not math.isfinite(red[0]):  # every last-stage rank knows: locate it (collective)
                     payload["bad"] = self._locate_nonfinite_loss(loss_sums, sample_ids)

@@ -11,6 +11,9 @@ also the ones the overlong punishment hits) and new log-probs far outside the cl
 Loss and gradient (w.r.t. every token's new log-prob) agree with the reference in d1, and in d2
 (two real gloo ranks, half the groups each, batch statistics summed over ranks) equal d1.
 
+The train-inference mismatch corrections (``ppo.mismatch_correction``: TIS, MIS, IcePop and their
+sequence-level forms) on GRPO, with trainer-side old log-probs that put ratios outside every band.
+
 Beyond the presets: the KL penalty at its default estimator in the loss (``ppo.kl_in=loss``: k3,
 verl's low_var_kl) and in the reward (k1), and LitePPO's batch std of the raw rewards
 (``ppo.reward_norm.std_of=raw``) beside its default (of the group-centred rewards).
@@ -28,12 +31,16 @@ from parallel.testing import run_cases
 MODULE = __name__.rsplit(".", 1)[-1]
 MAX_NEW = 8
 GROUPS = [4, 4, 1, 3]
+#: train-inference mismatch corrections (ppo.mismatch_correction) on GRPO, with the trainer's old log-probs
+CORRECTIONS = {"grpo_tis": "tis", "grpo_mis": "mis", "grpo_icepop": "icepop", "grpo_seq_tis": "seq-tis",
+               "grpo_seq_mis": "seq-mis"}
 ALGORITHMS = ["ppo", "grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp", "dapo", "gspo", "sapo", "grpo_kl_loss",
-              "grpo_kl_reward", "lite_ppo_raw_std"]
+              "grpo_kl_reward", "lite_ppo_raw_std", *CORRECTIONS]
 #: the cases that are a preset plus keys (each key at its default otherwise)
 VARIANTS = {"grpo_kl_loss": ["algorithm=grpo", "ppo.kl_coef=0.1", "ppo.kl_in=loss"],
             "grpo_kl_reward": ["algorithm=grpo", "ppo.kl_coef=0.1"],
-            "lite_ppo_raw_std": ["algorithm=lite_ppo", "ppo.reward_norm.std_of=raw"]}
+            "lite_ppo_raw_std": ["algorithm=lite_ppo", "ppo.reward_norm.std_of=raw"],
+            **{k: ["algorithm=grpo", f"ppo.mismatch_correction={v}"] for k, v in CORRECTIONS.items()}}
 # realflow computes advantages and the loss in fp32 (the reference in fp64): a few ulps of fp32
 LOSS_RTOL, GRAD_RTOL = 1e-5, 1e-5
 
@@ -61,6 +68,13 @@ def sequences() -> list[list[dict]]:
                           "ref": old - 0.3 * torch.rand(L, generator=g, dtype=torch.float64),
                           "values": torch.randn(p + L, generator=g, dtype=torch.float64)})
         out.append(group)
+    # the trainer's own old log-probs (the proximal policy of the corrections): the generator's plus a
+    # mismatch that puts some ratios outside every correction's band (drawn apart: the rest is unchanged)
+    g2 = torch.Generator().manual_seed(5)
+    for group in out:
+        for j, s in enumerate(group):
+            s["prox"] = s["old"] + (0.9 if j % 2 == 0 else 0.05) * torch.randn(s["L"], generator=g2,
+                                                                                  dtype=torch.float64)
     return out
 
 
@@ -119,7 +133,7 @@ def reference(alg: str, groups: list[list[dict]]) -> tuple[torch.Tensor, list[to
     centred = [r - _mean(rs) for rs in rewards for r in rs]  # each reward minus its group's mean
     for rs, group in zip(rewards, groups):
         for i, (r, s) in enumerate(zip(rs, group)):
-            if alg in ("grpo", "dapo", "gspo", "sapo", "grpo_kl_loss"):
+            if alg in ("grpo", "dapo", "gspo", "sapo", "grpo_kl_loss", *CORRECTIONS):
                 a = (r - _mean(rs)) / (_std(rs) + 1e-6)
             elif alg == "grpo_kl_reward":  # - beta * k1(pi_old || pi_ref) on each token, clamped at 10
                 a0 = (r - _mean(rs)) / (_std(rs) + 1e-6)
@@ -150,6 +164,8 @@ def reference(alg: str, groups: list[list[dict]]) -> tuple[torch.Tensor, list[to
         flat = [x for r in raw for x in r]
         m, sd = _mean(flat), _std(flat)
         adv = [[(x - m) / (sd + 1e-5) for x in r] for r in raw]
+    if alg in CORRECTIONS:
+        return _corrected_reference(CORRECTIONS[alg], seqs, leaves, adv), leaves
     eps_lo, eps_hi = {"gspo": (3e-4, 4e-4), "dapo": (0.2, 0.28)}.get(alg, (0.2, 0.2))
     per_seq = []
     for s, lp, a in zip(seqs, leaves, adv):
@@ -177,6 +193,31 @@ def reference(alg: str, groups: list[list[dict]]) -> tuple[torch.Tensor, list[to
     else:  # token-level: all tokens of the batch alike
         loss = sum(t.sum() for t in per_seq) / sum(s["L"] for s in seqs)
     return loss, leaves
+
+
+def _corrected_reference(corr: str, seqs, leaves, adv) -> torch.Tensor:
+    """GRPO clipped against the trainer's old policy ``prox``, each token weighted by the corrected
+    ``rho = pi_prox / pi_gen`` (then capped at behav_imp_weight_cap = 5) or dropped from the loss
+    (a dropped token still counts in its sequence's length, as in IcePop's objective)."""
+    per_seq = []
+    for s, lp, a in zip(seqs, leaves, adv):
+        A = torch.tensor(a, dtype=torch.float64)
+        log_rho = s["prox"] - s["old"]
+        if corr.startswith("seq-"):  # the geometric mean of the sequence's token ratios, on every token
+            log_rho = torch.full_like(log_rho, float(log_rho.mean()))
+        rho = torch.exp(log_rho)
+        keep = torch.ones_like(rho)
+        if corr in ("tis", "seq-tis"):
+            w = torch.clamp(rho, max=2.0)
+        else:
+            lo, hi = (0.5, 5.0) if corr == "icepop" else (0.5, 2.0)
+            keep = ((rho >= lo) & (rho <= hi)).double()
+            w = rho
+        w = torch.clamp(w, max=5.0)
+        ratio = torch.exp(lp - s["prox"])
+        tok = -torch.minimum(ratio * A, ratio.clamp(0.8, 1.2) * A) * w * keep
+        per_seq.append(tok.sum() / s["L"])
+    return sum(per_seq) / len(per_seq)
 
 
 # --------------------------------------------------------------------------- realflow
@@ -207,14 +248,26 @@ def realflow_loss(alg: str, groups, dp_sum=None):
     t = compute_rl_tensors(batch, actor.ppo, dp_sum, max_new_tokens=actor.max_new_tokens)
     lp = new.clone().requires_grad_(True)
     ref = batch.data["packed_ref_logprobs"].double() if actor.ppo.kl_loss_coef() else None
+    prox = packed_prox(groups) if alg in CORRECTIONS else None
     loss_sum, _ = ppo_actor_loss(lp, t.old_logprobs.double(), t.advantages.double(), t.action_mask,
-                                 actor.ppo, seqlens=t.seqlens, ref_logprobs=ref)
+                                 actor.ppo, seqlens=t.seqlens, ref_logprobs=ref, prox_logprobs=prox)
     weight = aggregation_weight(t.action_mask, t.seqlens, actor.ppo.loss_agg)
     total = dp_sum([weight])[0] if dp_sum else weight
     loss = loss_sum / total
     loss.backward()
     full = dp_sum([float(loss)])[0] if dp_sum else float(loss)
     return full, lp.grad.detach()
+
+
+def packed_prox(groups) -> torch.Tensor:
+    """The trainer's old log-probs aligned with the packed positions (what actor_inf would give)."""
+    out = []
+    for group in groups:
+        for s in group:
+            x = torch.zeros(s["p"] + s["L"], dtype=torch.float64)
+            x[s["p"] - 1:s["p"] + s["L"] - 1] = s["prox"]
+            out.append(x)
+    return torch.cat(out)
 
 
 def _action_grads(groups, grad: torch.Tensor) -> list[torch.Tensor]:

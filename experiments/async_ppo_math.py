@@ -74,12 +74,18 @@ class AsyncRolloutConfig:
         "help": "prompt + new tokens of one sequence on a generation server, the length of each KV-cache slot "
                 "(None = the model's context; SGLang: context_length)"})
     backend: str = field(default="builtin", metadata={"help": "generation backend: builtin | sglang"})
+    precision: str = field(default="auto", metadata={
+        "help": "the generation servers' weights and compute: auto (the actor's precision) | fp32 | bf16; a "
+                "bf16 rollout of an fp32 trainer is cheaper and off by a measurable gap (actor_train/mismatch/*; "
+                "ppo.mismatch_correction corrects for it)"})
     server_limits: GenServerLimits = field(default_factory=GenServerLimits, metadata={
         "help": "what each generation server accepts (bounds -> 400/413, a full queue -> 429 + Retry-After)"})
 
     def __post_init__(self) -> None:
         # the model's context is checked in setup(), once its checkpoint is known
         check_inference_memory(self.gpu_memory_utilization, self.max_model_len, prefix="rollout.")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"rollout.precision={self.precision!r} must be auto, fp32 or bf16")
 
 
 @dataclass
@@ -183,7 +189,7 @@ class _AsyncBase(_RLBase):
                 dataset_args=data_args, n_servers=gen.dp, server_tp=gen.tp, backend=r.backend,
                 lora=_served_lora(models[ACTOR]),
                 max_running_requests=r.max_running_requests, n_rollout_workers=r.n_rollout_workers,
-                gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len,
+                gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len, precision=r.precision,
                 max_concurrent_rollouts=r.max_concurrent_rollouts, agent=r.agent, agent_args=agent_args,
                 max_head_offpolicyness=r.max_head_offpolicyness, train_batch_size=self.batch_size,
                 weight_sync=r.weight_sync, weight_broadcast_timeout_s=r.weight_broadcast_timeout_s,

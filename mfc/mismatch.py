@@ -29,12 +29,12 @@ itself a token-level TIS with C = 5, so a correction with tighter bounds decides
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from mfc.advantages import as_seqlens, segment_sum
+from realflow.base.stats import DECADE_EDGES
 
 if TYPE_CHECKING:
     from mfc.ppo_config import LossConfig
@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 __all__ = ["CORRECTIONS", "HIST_EDGES", "MAX_STALENESS", "correction_weights", "gap_stats", "gap_means"]
 
 CORRECTIONS = ("none", "tis", "mis", "icepop", "seq-tis", "seq-mis")
-#: |delta log p| histogram bins: [0, 1e-6), [1e-6, 1e-5), ..., [1, 10), [10, inf)
-HIST_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+#: |delta log p| histogram bins: [0, 1e-6), [1e-6, 1e-5), ..., [1, 10), [10, inf) (TensorBoard draws
+#: ``mismatch/hist_<i>`` as one histogram per step: realflow.base.stats.decade_histograms)
+HIST_EDGES = DECADE_EDGES
 #: version offsets reported one by one; older tokens share the last bucket
 MAX_STALENESS = 4
 PREFIX = "mismatch/"
@@ -119,13 +120,6 @@ def gap_stats(train_lp: torch.Tensor, gen_lp: torch.Tensor, mask: torch.Tensor,
             out[f"{PREFIX}v{k}_tokens"] = float(sel.sum())
             out[f"{PREFIX}v{k}_abs_sum"] = float(a[sel].sum())
     return out
-
-
-def hist_label(i: int) -> str:
-    """The |delta| range of histogram bin ``i`` (for plots and TensorBoard)."""
-    lo = 0.0 if i == 0 else HIST_EDGES[i - 1]
-    hi = HIST_EDGES[i] if i < len(HIST_EDGES) else math.inf
-    return f"[{lo:g}, {hi:g})"
 
 
 def gap_means(sums: dict[str, float]) -> dict[str, float]:

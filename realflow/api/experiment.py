@@ -160,6 +160,8 @@ class ExperimentSetup:
     max_nonfinite_skips: int = 3  # skip mode: consecutive skipped steps before the run stops
     trace: bool = True
     log_samples: int = 0  # the first N samples of each train step / gen server requests -> <run dir>/samples/
+    mismatch_dump_every: int = 0  # every N-th actor train step: samples + weights for the mismatch doctor
+    mismatch_dump_samples: int = 8  # responses per dump
     deploy: DeploySpec = field(default_factory=DeploySpec)
     recover: RecoverSpec = field(default_factory=lambda: RecoverSpec(mode="off"))
     rollout: Optional["RolloutSpec"] = None  # set: asynchronous PPO (trajectories come from the rollout side)
@@ -191,6 +193,15 @@ class ExperimentSetup:
         """A model's precision: its own, else the run's (either may still be ``auto``, which the
         worker resolves for its device: realflow.base.devices.resolve_precision)."""
         return spec.precision if spec.precision != "auto" else self.precision
+
+    def generation_precision(self) -> str:
+        """The generator's precision (may be ``auto``): an asynchronous run's ``rollout.precision``, else
+        that of the model the servers serve (a synchronous run's generator shares the trainer's weights)."""
+        spec = self.rollout
+        if spec is not None and spec.precision != "auto":
+            return spec.precision
+        served = next((m for m in self.models.values() if spec is not None and m.path == spec.model_path), None)
+        return self.model_precision(served) if served else self.precision
 
     def name_resolve_config(self) -> dict[str, Any]:
         """The name-resolution config every process of this run uses (the file backend
@@ -247,6 +258,11 @@ class BaseExperimentConfig:
         "help": "the first N samples of every train step (token ids, decoded prompt and answer, reward) and "
                 "the first N requests each generation server answers, to <run dir>/samples/*.jsonl: what the "
                 "model really saw (0 = off)"})
+    mismatch_dump_every: int = field(default=0, metadata={
+        "help": "every N-th train step of a model with behaviour log-probs (the actor), before it updates, "
+                "writes mismatch_dump_samples responses and the weights to <run dir>/mismatch/step_N/ for "
+                "`realflow doctor mismatch RUN_DIR` (0 = off; each dump is a full HF checkpoint)"})
+    mismatch_dump_samples: int = field(default=8, metadata={"help": "responses per mismatch dump"})
     precision: str = field(default="auto", metadata={
         "help": "model parameters and generation: auto = bf16 on GPUs (fp32 master weights and gradients in "
                 "the optimizer), fp32 on CPUs | fp32 | bf16"})
@@ -304,11 +320,16 @@ class BaseExperimentConfig:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 0")
         if self.log_samples < 0:
             raise ValueError(f"log_samples={self.log_samples} must be >= 0 (0 = off)")
+        if self.mismatch_dump_every < 0:
+            raise ValueError(f"mismatch_dump_every={self.mismatch_dump_every} must be >= 0 (0 = off)")
+        if self.mismatch_dump_samples < 1:
+            raise ValueError(f"mismatch_dump_samples={self.mismatch_dump_samples} must be >= 1")
         _check_precision("precision", self.precision)
         return dict(precision=self.precision,
             on_nonfinite=self.on_nonfinite, max_nonfinite_skips=self.max_nonfinite_skips,
             seed=self.seed, name_resolve=dataclasses.asdict(self.name_resolve), worker_threads=self.worker_threads,
-            trace=self.trace, log_samples=self.log_samples, heartbeat_timeout_s=self.heartbeat_timeout_s,
+            trace=self.trace, log_samples=self.log_samples, mismatch_dump_every=self.mismatch_dump_every,
+            mismatch_dump_samples=self.mismatch_dump_samples, heartbeat_timeout_s=self.heartbeat_timeout_s,
             heartbeat_interval_s=self.heartbeat_interval_s,
             deploy=DeploySpec(launcher=self.launcher, slurm=self.slurm, ray=self.ray),
             recover=RecoverSpec(mode=self.recover_mode, freq_steps=self.recover_freq_steps,

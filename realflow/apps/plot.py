@@ -68,6 +68,8 @@ def _draw_panel(panel: Panel, title: str, path: Path) -> None:
         ax = fig.add_subplot(len(panel.axes), 1, i + 1)
         for j, s in enumerate(axis.series):
             _draw_series(ax, s, colors[j % len(colors)])
+        if axis.log:
+            ax.set_yscale("symlog", linthresh=1e-8)  # (a gap of exactly 0 stays drawable)
         ax.set_ylabel(axis.ylabel)
         ax.set_xlabel("step")
         ax.grid(True, alpha=0.3)

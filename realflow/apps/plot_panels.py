@@ -10,7 +10,10 @@ Key names follow what the master logs (see :mod:`realflow.system.master`):
 * throughput: ``*_per_s`` keys (``async/gen_tokens_per_s``, ``async/trained_samples_per_s``);
   where a run has none, tokens/s from ``<mfc>/n_tokens`` over ``time/step``, samples/s from
   ``samples.jsonl`` over ``time/step``, else steps/s;
-* time per MFC: ``time/<mfc>`` (plus ``time/fetch``, ``time/step``, ``time/recover_point``).
+* time per MFC: ``time/<mfc>`` (plus ``time/fetch``, ``time/step``, ``time/recover_point``);
+* train-inference mismatch: ``<mfc>/mismatch/...`` (see :mod:`mfc.mismatch`): mean and max
+  |delta log p| (and per version offset), the shares of tokens beyond 0.1 and 1, and the
+  per-token histogram as one curve per |delta| decade.
 
 A panel whose keys a run lacks is left out, so SFT, sync PPO and async PPO runs each get
 the panels that mean something for them.
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 #: every panel a run can have, in drawing order (file stems under ``plots/``)
-PANEL_NAMES = ("reward", "heldout", "loss", "throughput", "mfc_time")
+PANEL_NAMES = ("reward", "heldout", "loss", "throughput", "mfc_time", "mismatch")
 
 
 @dataclass
@@ -39,6 +42,7 @@ class Axis:
 
     ylabel: str
     series: list[Series] = field(default_factory=list)
+    log: bool = False  # a logarithmic y axis (values spanning decades, e.g. 1e-7 .. 1)
 
 
 @dataclass
@@ -103,6 +107,20 @@ def _throughput(rows: Sequence[Mapping[str, Any]], keys: list[str],
     return axes
 
 
+def _mismatch(rows: Sequence[Mapping[str, Any]], keys: list[str]) -> list[Axis]:
+    from realflow.base.stats import decade_label  # (no torch: the stats module imports none)
+
+    mm = [k for k in keys if "mismatch/" in k]
+    gap = Axis("|delta log p| (log)", [_series(rows, k) for k in mm
+                                       if _leaf(k) in ("abs_mean", "abs_max") or _leaf(k).endswith("_abs_mean")],
+               log=True)
+    frac = Axis("share of tokens", [_series(rows, k) for k in mm if _leaf(k).startswith("frac_over")
+                                    or _leaf(k) == "corrected_frac"])
+    hist = Axis("share per |delta| bin", [_series(rows, k, f"|delta| in {decade_label(int(_leaf(k)[5:]))}")
+                                          for k in mm if _leaf(k).startswith("hist_")])
+    return [gap, frac, hist]
+
+
 def run_panels(rows: Sequence[Mapping[str, Any]],
                samples_per_step: Optional[Mapping[int, float]] = None) -> list[Panel]:
     """The panels a run's stats rows support, in a fixed order; empty curves are dropped.
@@ -122,6 +140,7 @@ def run_panels(rows: Sequence[Mapping[str, Any]],
         Panel("throughput", "throughput", _throughput(rows, keys, samples_per_step)),
         Panel("mfc_time", "time per MFC", [Axis("seconds", [_series(rows, k, k[5:]) for k in keys
                                                             if k.startswith("time/")])]),
+        Panel("mismatch", "train-inference mismatch (generator vs trainer log-probs)", _mismatch(rows, keys)),
     ]
     out = []
     for p in panels:

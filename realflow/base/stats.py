@@ -21,6 +21,7 @@ import json
 import math
 import numbers
 import os
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
@@ -93,6 +94,45 @@ def weighted_mean(values: Iterable[float], weights: Iterable[float]) -> float:
     return math.fsum(v * w for v, w in zip(vs, ws)) / total
 
 
+#: the bins of a "decade histogram" stat: ``<tag>/hist_<i>`` is the share of values in
+#: [0, 1e-6), [1e-6, 1e-5), ..., [1, 10), [10, inf) for i = 0 .. len(DECADE_EDGES); TensorBoard shows
+#: the bins of a step as one histogram ``<tag>/hist`` (e.g. the per-token mismatch, mfc.mismatch)
+DECADE_EDGES = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+_HIST_KEY = re.compile(r"(.*)/hist_(\d+)$")
+
+
+def decade_label(i: int) -> str:
+    """The value range of decade bin ``i``."""
+    lo = 0.0 if i == 0 else DECADE_EDGES[i - 1]
+    hi = DECADE_EDGES[i] if i < len(DECADE_EDGES) else math.inf
+    return f"[{lo:g}, {hi:g})"
+
+
+def decade_histograms(row: Mapping[str, float]) -> dict[str, list[float]]:
+    """``{tag: bin shares}`` of the decade-histogram stats in ``row`` (complete ones only)."""
+    found: dict[str, dict[int, float]] = {}
+    for name, v in row.items():
+        m = _HIST_KEY.match(name)
+        if m:
+            found.setdefault(m.group(1), {})[int(m.group(2))] = v
+    n = len(DECADE_EDGES) + 1
+    return {tag: [bins[i] for i in range(n)] for tag, bins in found.items() if set(bins) == set(range(n))}
+
+
+def _add_histograms(writer: Any, row: Mapping[str, float], step: int, wall: float) -> None:
+    """Each decade histogram of ``row`` as a TensorBoard histogram (bins: the decades' upper edges)."""
+    for tag, shares in decade_histograms(row).items():
+        limits = [*DECADE_EDGES, 1e3]  # the last bin [10, inf) is drawn up to 1e3
+        mids = [0.0, *DECADE_EDGES]
+        total = sum(shares)
+        if total <= 0:
+            continue
+        writer.add_histogram_raw(f"{tag}/hist", min=0.0, max=limits[max(i for i, c in enumerate(shares) if c > 0)],
+                                 num=total, sum=sum(c * x for c, x in zip(shares, mids)),
+                                 sum_squares=sum(c * x * x for c, x in zip(shares, mids)),
+                                 bucket_limits=limits, bucket_counts=shares, global_step=step, walltime=wall)
+
+
 class StatsLogger:
     """Per-step scalar stats to TensorBoard and a jsonl file under ``run_dir`` (and W&B, if asked)."""
 
@@ -137,6 +177,7 @@ class StatsLogger:
             wall = time.time()
             for name, v in row.items():
                 self._writer.add_scalar(name, v, global_step=step, walltime=wall)
+            _add_histograms(self._writer, row, step, wall)
         if self._jsonl is not None:
             self._jsonl.write(step, row)
         if self._wandb is not None:

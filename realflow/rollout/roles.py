@@ -54,8 +54,7 @@ def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     # on one GPU host the model workers take GPUs 0..n_workers-1, the servers the ones after
     # (LOCAL_RANK / SLURM_LOCALID, where a scheduler sets them, win)
     select_device(setup.n_workers + index)
-    served = next((m for m in setup.models.values() if m.path == spec.model_path), None)  # as it trains
-    precision = resolve_precision(setup.model_precision(served) if served else setup.precision)
+    precision = resolve_precision(setup.generation_precision())
     cfg = BackendConfig(model_path=spec.model_path, tokenizer_path=spec.tokenizer_path,
                         max_running_requests=spec.max_running_requests, seed=spec.seed * 1000 + index,
                         max_model_len=spec.max_model_len, gpu_memory_utilization=spec.gpu_memory_utilization,

@@ -40,6 +40,7 @@ from realflow.system import recover
 from realflow.system.data_stream import ShardStream
 from realflow.system.model_store import ModelStore
 from realflow.system.plan import ExecutionPlan
+from realflow.system.mismatch_dumper import MismatchDumper
 from realflow.system.sample_log import TrainSampleLog, samples_dir
 from realflow.system.trajectory_inbox import TrajectoryInbox
 from realflow.weights.publisher import WeightPublisher
@@ -58,6 +59,8 @@ class _MFCCall:
     is_train: bool
     is_head: bool  # this worker reports the dp rank's outputs
     type_name: str  # interface type, for the trace
+    layout: str = ""  # the MFC's parallel layout, e.g. d2t1p1 (for the mismatch dump)
+    is_first_head: bool = False  # the head of data-parallel rank 0
 
 
 class ModelWorker:
@@ -76,6 +79,8 @@ class ModelWorker:
         self.tracer = Tracer(self.name, enabled=setup.trace)
         self.sample_log = TrainSampleLog(samples_dir(setup.run_dir), setup.log_samples, self._tokenizer_of) \
             if setup.log_samples else None
+        self.mismatch_dumper = MismatchDumper(setup, setup.mismatch_dump_every, setup.mismatch_dump_samples) \
+            if setup.mismatch_dump_every else None
         self.on_finish = on_finish
         self._calls: dict[str, _MFCCall] = {}  # per MFC name, filled on its first run
         self.inbox: TrajectoryInbox | None = None
@@ -202,6 +207,10 @@ class ModelWorker:
                     self.data.receive(handle)
         batch = self.data.get(payload["ids"], mfc.input_keys)
         batch = batch.remap_keys(mfc.input_key_remap) if mfc.input_key_remap else batch
+        step = int(payload.get("step", call.model.version))
+        if call.is_train and self.mismatch_dumper is not None and self.mismatch_dumper.wanted(step, batch):
+            with self.tracer.span(f"mismatch_dump:{mfc.name}"):  # before the update changes the weights
+                self.mismatch_dumper.dump(call, step, batch, writes_samples=call.is_first_head)
         if self.tracer.enabled:
             with self.tracer.span(mfc.name, type=call.type_name, n=len(batch)):
                 out = self._call_interface(call, batch)
@@ -209,7 +218,7 @@ class ModelWorker:
             out = self._call_interface(call, batch)
         if call.is_train:
             if self.sample_log is not None and call.is_head:
-                self.sample_log.write(mfc.name, mfc.model_name, int(payload.get("step", call.model.version)), batch)
+                self.sample_log.write(mfc.name, mfc.model_name, step, batch)
             fault_point("train_step")  # (tests only: realflow.base.fault_injection)
             return {"stats": out if call.is_head else None, "outputs": None}
         if out is None:  # tensor/pipeline ranks other than the dp head may return nothing
@@ -248,7 +257,8 @@ class ModelWorker:
                                     else iface.inference)
         call = _MFCCall(mfc=mfc, model=self.store.model(mfc.model_name, layout), iface=iface, fn=fn,
                         is_train=is_train, is_head=layout.dp_head(layout.coords(self.index)[0]) == self.index,
-                        type_name=mfc.interface_type.name)
+                        type_name=mfc.interface_type.name, layout=str(layout.strategy),
+                        is_first_head=layout.dp_head(0) == self.index)
         self._calls[name] = call
         return call
 

@@ -51,6 +51,11 @@ def test_async_grpo_raises_reward_within_the_staleness_bound(fileroot):
     assert max(r["async/offpolicy_head_max"] for r in rows) <= eta
     assert [r["async/version"] for r in rows] == list(range(1, steps + 1))
     assert rows[-1]["async/weight_rounds"] >= steps - 2  # a round per step (a superseded one may be skipped)
+    # train-inference mismatch, split by version offset: the tokens of the trainer's own version (offset 0)
+    # differ by fp32 round-off only; staler ones by what the trainer learned since (mfc.mismatch)
+    fresh = [r["actor_train/mismatch/v0_abs_mean"] for r in rows if "actor_train/mismatch/v0_abs_mean" in r]
+    assert fresh and max(fresh) <= 1e-5, fresh
+    assert any(r.get("actor_train/mismatch/v1_abs_mean", 0) > 1e-4 for r in rows)
     first = sum(r["actor_train/reward"] for r in rows[:5]) / 5
     last = sum(r["actor_train/reward"] for r in rows[-5:]) / 5
     assert last > first + 0.15, (first, last)
@@ -74,6 +79,7 @@ def test_on_policy_eta_zero_trains_only_the_current_version(fileroot):
         # every token came from the weights being trained: behaviour == proximal policy
         assert r["actor_train/gen_train_kl"] < 1e-8
         assert abs(r["actor_train/behav_imp_weight"] - 1.0) < 1e-4
+        assert r["actor_train/mismatch/v0_frac"] == 1.0 and r["actor_train/mismatch/abs_mean"] <= 1e-5
 
 
 @pytest.mark.timeout(300)
@@ -81,11 +87,23 @@ def test_failing_agent_and_slow_reward_are_counted_not_fatal(fileroot):
     res = _run(["realflow.apps.main_async_ppo", "--import", "flaky_agent"], fileroot, *FAST, "max_train_steps=3",
                "batch_size=8", "rollout.agent=flaky", "rollout.agent_args={\"every\": 10}",
                "rollout.reward_timeout_s=1", "trial_name=flaky",
-               "rollout.weight_sync=disk")
+               "rollout.weight_sync=disk",
+               # (the same run:) bf16 servers of an fp32 trainer, loading every version from disk,
+               # with IcePop and the doctor's dumps
+               "rollout.precision=bf16", "ppo.mismatch_correction=icepop", "mismatch_dump_every=2")
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = fileroot / "async-grpo-math" / "flaky"
     rows = _rows(run_dir)
     assert len(rows) == 3 and rows[-1]["async/agent_errors"] > 0
+    # the servers' bf16 shows as a gap far above fp32 round-off, at every version offset
+    for r in rows:
+        assert r["actor_train/mismatch/abs_mean"] > 1e-4 and "actor_train/mismatch/corrected_frac" in r, r
+    from realflow.system.mismatch_dump import load_dump
+
+    dump = load_dump(str(run_dir), 2)
+    assert dump.settings["gen_precision"] == "bf16" and dump.settings["trainer_precision"] == "fp32"
+    assert dump.samples and all(len(s.behaviour_logprobs) == len(s.input_ids) - s.prompt_len for s in dump.samples)
+    assert all(s.trainer_logprobs is not None and s.versions for s in dump.samples)
     log = (run_dir / "logs" / "rollout_worker" / "0.log").read_text()
     assert "flaky agent refuses row" in log
     assert "reward 'sleepy' did not finish" in log

@@ -54,6 +54,8 @@ def test_grpo_raises_reward_with_reallocation_every_step(fileroot):
     # trained weights: KL(behaviour || trainer) on the first mini-batch is at fp32 round-off
     assert all(r["actor_gen/hooks_pre_s"] > 0 for r in rows)
     assert max(r["actor_train/gen_train_kl"] for r in rows) < 1e-8, [r["actor_train/gen_train_kl"] for r in rows]
+    # the train-inference gap logged every step (first mini-batch, mfc.mismatch): fp32 round-off
+    assert max(r["actor_train/mismatch/abs_mean"] for r in rows) <= 1e-5
     first = sum(r["actor_train/reward"] for r in rows[:5]) / 5
     last = sum(r["actor_train/reward"] for r in rows[-5:]) / 5
     assert last > first + 0.2, (first, last)
@@ -62,8 +64,11 @@ def test_grpo_raises_reward_with_reallocation_every_step(fileroot):
 
 @pytest.mark.timeout(600)
 def test_ppo_with_critic_reference_ema_and_offload(fileroot):
+    # (the same run:) truncated importance sampling of the train-inference gap: actor_inf recomputes
+    # the trainer's log-probs before actor_train; every 2nd step leaves a dump for the doctor
     res = _run(["realflow.apps.main", "experiment=ppo-math"], fileroot, "max_train_steps=3", "batch_size=16",
-               "ppo.kl_coef=0.05", "ppo.ref_ema_eta=0.5", "trial_name=ppo")
+               "ppo.kl_coef=0.05", "ppo.ref_ema_eta=0.5", "trial_name=ppo", "ppo.mismatch_correction=tis",
+               "mismatch_dump_every=2")
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = fileroot / "ppo-math" / "ppo"
     rows = [r for r in _stats(run_dir) if "actor_train/reward" in r]
@@ -72,6 +77,15 @@ def test_ppo_with_critic_reference_ema_and_offload(fileroot):
         assert r["critic_train/loss"] >= 0 and "actor_train/kl_ref" in r
         assert r["actor_train/gen_train_kl"] < 1e-8
         assert r["actor_train/hooks_post_s"] > 0  # the EMA update actor -> ref
+        assert r["time/actor_inf"] > 0 and r["actor_train/mismatch/abs_mean"] <= 1e-5
+        assert r["actor_train/mismatch/corrected_frac"] == 0.0  # nothing near C = 2 in fp32
+        assert abs(r["actor_train/behav_imp_weight"] - 1.0) < 1e-4
+    from realflow.system.mismatch_dump import dump_steps, load_dump
+
+    assert dump_steps(str(run_dir)) == [2]
+    dump = load_dump(str(run_dir))
+    assert dump.settings["trainer_precision"] == dump.settings["gen_precision"] == "fp32"
+    assert len(dump.samples) == 8 and dump.samples[0].trainer_logprobs is not None
     for role in ("actor", "critic"):
         assert (run_dir / "checkpoints" / role / "final" / "config.json").is_file()
     from transformers import AutoConfig

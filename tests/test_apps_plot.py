@@ -118,3 +118,20 @@ def test_plotting_at_the_end_of_a_run_only_warns(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(plot_mod, "_draw_panel", broken)
     assert plot_mod.plot_after_run(run_dir) == []
     assert "warning: could not draw the run's plots: RuntimeError: no fonts" in capsys.readouterr().err
+
+
+def test_mismatch_panel_draws_the_gap_and_its_histogram():
+    rows = []
+    for step in range(1, 4):
+        r = {"step": step, "actor_train/mismatch/abs_mean": 1e-3 * step, "actor_train/mismatch/abs_max": 0.1,
+             "actor_train/mismatch/v0_abs_mean": 2e-7, "actor_train/mismatch/frac_over_0.1": 0.01,
+             "actor_train/mismatch/frac_over_1": 0.0}
+        r.update({f"actor_train/mismatch/hist_{i}": (0.5 if i in (0, 3) else 0.0) for i in range(9)})
+        rows.append(r)
+    (panel,) = [p for p in run_panels(rows) if p.name == "mismatch"]
+    gap, frac, hist = panel.axes
+    assert gap.log and {s.label for s in gap.series} == {"actor_train/mismatch/abs_mean", "actor_train/mismatch/abs_max",
+                                                         "actor_train/mismatch/v0_abs_mean"}
+    assert [s.label for s in frac.series] == ["actor_train/mismatch/frac_over_0.1", "actor_train/mismatch/frac_over_1"]
+    # one curve per non-empty |delta| decade, in bin order
+    assert [s.label for s in hist.series] == ["|delta| in [0, 1e-06)", "|delta| in [0.0001, 0.001)"]

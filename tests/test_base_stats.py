@@ -56,3 +56,26 @@ def test_reduce_stats():
         reduce_stats(per_worker, {"loss": "median"})
     with pytest.raises(TypeError, match=r"stat 'loss' must be a scalar number.*from worker 1"):
         reduce_stats([{"loss": 1.0}, {"loss": "high"}])
+
+
+def test_mismatch_histogram_reaches_tensorboard(tmp_path):
+    """The per-token |delta log p| shares of a train step (mfc.mismatch's ``mismatch/hist_<i>``) become
+    one TensorBoard histogram per step, beside their scalars."""
+    import torch as t
+
+    from mfc.mismatch import gap_means, gap_stats
+    from realflow.base.stats import DECADE_EDGES, decade_histograms
+
+    train = -t.rand(200, generator=t.Generator().manual_seed(0)) * 3
+    gen = train + t.cat([t.full((150,), 1e-7), t.full((50,), 0.3)])
+    row = gap_means(gap_stats(train, gen, t.ones(200, dtype=t.bool)))
+    assert row["mismatch/hist_0"] == pytest.approx(0.75) and row["mismatch/hist_6"] == pytest.approx(0.25)
+    assert decade_histograms(row) == {"mismatch": [row[f"mismatch/hist_{i}"] for i in range(len(DECADE_EDGES) + 1)]}
+    with StatsLogger(tmp_path / "run") as sl:
+        sl.log(1, row, prefix="actor_train")
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    assert acc.Tags()["histograms"] == ["actor_train/mismatch/hist"]
+    (h,) = acc.Histograms("actor_train/mismatch/hist")
+    assert h.step == 1 and h.histogram_value.num == pytest.approx(1.0)
+    assert list(h.histogram_value.bucket) == pytest.approx([row[f"mismatch/hist_{i}"] for i in range(9)])

@@ -116,8 +116,10 @@ def _mismatch(rows: Sequence[Mapping[str, Any]], keys: list[str]) -> list[Axis]:
                log=True)
     frac = Axis("share of tokens", [_series(rows, k) for k in mm if _leaf(k).startswith("frac_over")
                                     or _leaf(k) == "corrected_frac"])
-    hist = Axis("share per |delta| bin", [_series(rows, k, f"|delta| in {decade_label(int(_leaf(k)[5:]))}")
-                                          for k in mm if _leaf(k).startswith("hist_")])
+    bins = sorted((k for k in mm if _leaf(k).startswith("hist_")), key=lambda k: (k.rsplit("/", 1)[0],
+                                                                                 int(_leaf(k)[5:])))
+    hist = Axis("share per |delta| bin", [s for s in (_series(rows, k, f"|delta| in {decade_label(int(_leaf(k)[5:]))}")
+                                                      for k in bins) if any(s.values)])  # (empty bins left out)
     return [gap, frac, hist]
 
 

@@ -177,6 +177,9 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
         if mode == "check":  # --check never trains, generates or downloads: what prepare() makes is skipped
             _check_creatable(setup.run_dir)
             notes = preflight(setup, pending=cfg.pending_paths())
+            extra = getattr(cfg, "extra_checks", None)  # an experiment's opt-in checks (e.g. check.mismatch)
+            if callable(extra):
+                notes += extra(setup, cfg.pending_paths())
         else:
             cfg.prepare()
             notes = preflight(setup)

@@ -3,7 +3,7 @@
 Why opt-in: they cost a model build and a few generations (seconds on a tiny model, longer on a
 big one), and a plain ``--check`` must stay fast.  ``check.mismatch=true`` generates a few
 samples with the actor as configured and measures how far the trainer's log-probs of them are
-from the generator's (:mod:`realflow.apps.mismatch_check`), so that a precision or kernel gap is
+from the generator's (:mod:`experiments.mismatch_check`), so that a precision or kernel gap is
 seen before hours of training, not in its stats.
 """
 from __future__ import annotations

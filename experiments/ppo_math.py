@@ -100,7 +100,7 @@ class _RLBase(BaseExperimentConfig):
         """What ``--check`` runs after the other checks (``check.*``); returns lines to print."""
         if not self.check.mismatch:
             return []
-        from realflow.apps.mismatch_check import run_mismatch_check
+        from experiments.mismatch_check import run_mismatch_check
 
         h = self.ppo
         sampling = {k: v for k, v in h.sampling_args().items() if k in ("temperature", "top_p", "top_k", "min_p")}

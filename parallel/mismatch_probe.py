@@ -4,7 +4,7 @@ Why: the generator's log-probs of its own samples differ from the trainer's (ker
 precision, batch shapes, the KV-cache path, stale or corrupt weights).  A gap in the stats
 says *that* they differ; finding *why* needs both sides run again on the same tokens, with
 the hidden states compared op by op.  This module is that replay; the verdict (which knob
-closes the gap) is the doctor's (:mod:`realflow.apps.doctor_mismatch`).
+closes the gap) is the doctor's (``experiments/mismatch_doctor.py``).
 
 * :func:`replay_generator` teacher-forces the built-in generation engine's
   :class:`~parallel.generation.decoder.Decoder` as the engine runs it: one right-padded

@@ -6,7 +6,8 @@ after the run, on any machine, from what ``mismatch_dump_every=N`` saved (sample
 settings: :mod:`realflow.system.mismatch_dump`).  It prints a few lines (the gap as recorded,
 the replay fidelity, the first layer and op where the two forwards part, and the verdict with
 the knob that closes the gap), draws |Δ| per layer to a PNG and writes the report as JSON.
-The analysis is :mod:`realflow.apps.doctor_mismatch`.
+The analysis is the ``mismatch`` entry of :data:`realflow.api.diagnostics.doctors` (registered
+by the built-in plugins: ``experiments/mismatch_doctor.py``).
 """
 from __future__ import annotations
 
@@ -68,11 +69,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {a.run_dir}: no such run directory (give the directory of a run that ran with "
               f"mismatch_dump_every=N)", file=sys.stderr)
         return 2
-    from realflow.apps.doctor_mismatch import diagnose
+    from realflow.api.diagnostics import doctors
+    from realflow.config.cli import ConfigError
+    from realflow.plugins import load_plugins
+    from realflow.system.mismatch_dump import load_dump
 
     try:
-        rep = diagnose(a.run_dir, a.step, a.samples)
-    except (FileNotFoundError, ValueError) as e:
+        load_dump(a.run_dir, a.step)  # a dump to replay, before the engines are imported
+        load_plugins()
+        rep = doctors.get(a.what)(a.run_dir, a.step, a.samples)
+    except (FileNotFoundError, ValueError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = a.out or os.path.join(a.run_dir, "mismatch")
@@ -116,9 +122,7 @@ def format_report(rep: dict[str, Any]) -> str:
              f"{_e(f['mean_abs'])} (max {_e(f['max_abs'])})"
              + ("" if rep["reproduced_by"] == "as run" else f"; {rep['reproduced_by']} reproduce them")]
     first = rep["first_divergence"]
-    from realflow.apps.doctor_mismatch import DIVERGENCE_TOL
-
-    line = (f"first divergence (a token's hidden vector off by > {DIVERGENCE_TOL:.0e} relative): "
+    line = (f"first divergence (a token's hidden vector off by > {rep['tolerance']:.0e} relative): "
             + (f"{first['point']} ({_e(first['rel'])})" if first else "none"))
     if "first_divergence_fp32" in rep:
         f32 = rep["first_divergence_fp32"]
@@ -143,15 +147,13 @@ def draw(rep: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from realflow.apps.doctor_mismatch import DIVERGENCE_TOL
-
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(rep["divergence"]) + 2), 3.6))
     for key, label in (("divergence", "as run"), ("divergence_fp32", "both sides in fp32")):
         pts = rep.get(key) or []
         if pts:
             ax.plot(range(len(pts)), [max(p["rel"], 1e-12) for p in pts], marker="o", label=label)
             ax.set_xticks(range(len(pts)), [p["point"] for p in pts], rotation=60, ha="right", fontsize=7)
-    ax.axhline(DIVERGENCE_TOL, color="grey", ls="--", lw=1, label=f"tolerance {DIVERGENCE_TOL:.0e}")
+    ax.axhline(rep["tolerance"], color="grey", ls="--", lw=1, label=f"tolerance {rep['tolerance']:.0e}")
     ax.set_yscale("log")
     ax.set_ylabel("max relative |Δ| per token")
     ax.set_title(f"generator vs trainer, step {rep['step']}: {rep['verdict']['cause']}", fontsize=9)

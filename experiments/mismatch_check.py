@@ -77,7 +77,7 @@ def run_mismatch_check(setup: Any, role: str, n_samples: int, max_new_tokens: in
              f"{temperature:g}, max_new_tokens {max_new_tokens}: " + format_gap(g)]
     if temperature == 0.0:
         lines.append("check.mismatch: greedy sampling (temperature 0): the gap is of the untempered log-probs")
-    from realflow.apps.doctor_mismatch import NO_MISMATCH
+    from experiments.mismatch_doctor import NO_MISMATCH
 
     if g["mean_abs"] > NO_MISMATCH:
         lines.append("check.mismatch: the sides disagree; to find why, run with mismatch_dump_every=1 for a "

@@ -11,7 +11,9 @@ weights in the generator) and the knob that closes the gap is the verdict; the l
 comparison of hidden states says where the two forwards part.
 
 The replay tools are :mod:`parallel.mismatch_probe` and :mod:`parallel.mismatch_rebuild`; the
-dump format is :mod:`realflow.system.mismatch_dump`; :mod:`realflow.apps.doctor` prints and draws.
+dump format is :mod:`realflow.system.mismatch_dump`; :mod:`realflow.apps.doctor` prints and draws
+(it finds :func:`diagnose` as the ``mismatch`` entry of :data:`realflow.api.diagnostics.doctors`:
+this layer composes the engines and the runtime's files, the apps reach it by registration).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch
 from parallel.mismatch_probe import (Replay, divergence, gap_stats, point_name, point_order, replay_generator,
                                      replay_trainer)
 from parallel.mismatch_rebuild import build_generator, build_trainer
+from realflow.api.diagnostics import doctors
 from realflow.system.mismatch_dump import MismatchDump, dump_steps, load_dump
 
 __all__ = ["NO_MISMATCH", "FIDELITY_TOL", "DIVERGENCE_TOL", "diagnose", "Replayer", "weight_diff"]
@@ -112,6 +115,7 @@ def _closes(gap: dict[str, float], base: dict[str, float]) -> bool:
     return base["mean_abs"] > NO_MISMATCH and gap["mean_abs"] <= max(NO_MISMATCH, CLOSES * base["mean_abs"])
 
 
+@doctors.register("mismatch")
 def diagnose(run_dir: str, step: Optional[int] = None, samples: Optional[int] = None) -> dict[str, Any]:
     """The doctor's report of one dump as plain data (see the module docstring)."""
     dump = load_dump(run_dir, step)
@@ -129,7 +133,7 @@ def diagnose(run_dir: str, step: Optional[int] = None, samples: Optional[int] = 
     num_layers = int(r_cfg(weights)["num_hidden_layers"])
     keys = point_order(num_layers)
 
-    rep: dict[str, Any] = {"run_dir": run_dir, "step": dump.step, "samples": len(chosen),
+    rep: dict[str, Any] = {"run_dir": run_dir, "step": dump.step, "tolerance": DIVERGENCE_TOL, "samples": len(chosen),
                            "tokens": sum(len(b) for b in behaviour), "weights_version": dump.weights_version,
                            "labelled_version": label, "trainer_precision": tp, "gen_precision": gp,
                            "temperature": temp, "max_tokens_per_mb": mb, "gen_weights": dump.gen_weights_path is not None,

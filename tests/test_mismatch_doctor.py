@@ -155,7 +155,9 @@ def test_run_dir_without_samples_says_how_to_save_them(tmp_path, capsys):
 def test_unknown_step_lists_the_saved_ones(tmp_path, capsys):
     from realflow.system.mismatch_dump import MismatchDump, dump_dir, write_dump
 
-    make_tiny_hf(os.path.join(dump_dir(str(tmp_path), 3), "weights"), "qwen2", seed=3)
+    os.makedirs(os.path.join(dump_dir(str(tmp_path), 3), "weights"))
+    with open(os.path.join(dump_dir(str(tmp_path), 3), "weights", "config.json"), "w") as f:
+        f.write("{}")  # the step is refused before its weights are read
     write_dump(str(tmp_path), MismatchDump(step=3, model="actor", weights_version=2, settings={}, samples=[]))
     line = _one_line(capsys, ["doctor", "mismatch", str(tmp_path), "--step", "4"])
     assert "no mismatch samples for step 4 (saved: 3)" in line

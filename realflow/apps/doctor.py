@@ -118,8 +118,8 @@ def format_report(rep: dict[str, Any]) -> str:
              f"gap as recorded ({rep['gap_recorded_source']}): mean |Δ log p| {_e(g['mean_abs'])}, max "
              f"{_e(g['max_abs'])}, k3 KL {_e(g['k3_kl'])}, |Δ|>0.1: {100 * g['frac_gt_0.1']:.1f}%, "
              f">1: {100 * g['frac_gt_1']:.1f}%",
-             f"replay fidelity: the generator rebuilt as run reproduces the behaviour log-probs to mean |Δ| "
-             f"{_e(f['mean_abs'])} (max {_e(f['max_abs'])})"
+             f"replay fidelity (the generator rebuilt as run vs the recorded behaviour log-probs): mean |Δ| "
+             f"{_e(f['mean_abs'])}, max {_e(f['max_abs'])}"
              + ("" if rep["reproduced_by"] == "as run" else f"; {rep['reproduced_by']} reproduce them")]
     first = rep["first_divergence"]
     line = (f"first divergence (a token's hidden vector off by > {rep['tolerance']:.0e} relative): "

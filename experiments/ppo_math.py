@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 
 from experiments.algorithms import ALGORITHMS, presets
+from experiments.check_config import MismatchCheckConfig
 from experiments.data_config import UserDataConfig, context_length
 from experiments.ppo_hyper import PPOHyperConfig
 from experiments.tasks.registry import get_task
@@ -89,8 +90,22 @@ class _RLBase(BaseExperimentConfig):
         "help": "memory-for-time trades of the trained models (actor, critic)"})
     moe: MoEConfig = field(default_factory=MoEConfig, metadata={
         "help": "mixture-of-experts actor: rollout routing replay and the load-balancing loss"})
+    check: MismatchCheckConfig = field(default_factory=MismatchCheckConfig, metadata={
+        "help": "extra checks of --check (they start no worker): check.mismatch=true measures the "
+                "generator-trainer log-prob gap on a few samples"})
 
     PRESETS = presets()
+
+    def extra_checks(self, setup: ExperimentSetup, pending: list[str]) -> list[str]:
+        """What ``--check`` runs after the other checks (``check.*``); returns lines to print."""
+        if not self.check.mismatch:
+            return []
+        from experiments.mismatch_check import run_mismatch_check
+
+        h = self.ppo
+        sampling = {k: v for k, v in h.sampling_args().items() if k in ("temperature", "top_p", "top_k", "min_p")}
+        return run_mismatch_check(setup, ACTOR, self.check.mismatch_samples, h.max_new_tokens, sampling,
+                                  self.max_tokens_per_mb, pending)
 
     def routing_replay(self, actor: str, planned: Optional[dict]) -> bool:
         """Whether the actor's forward passes replay the generator's experts (R3): ``moe.routing_replay``,

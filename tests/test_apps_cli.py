@@ -119,7 +119,7 @@ def test_realflow_help_lists_commands_and_experiments(argv):
     proc = cli("realflow.apps.main", *argv)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for command in ("run", "plan", "plot", "calibrate"):
+    for command in ("run", "plan", "plot", "calibrate", "doctor"):
         assert f"\n  {command} " in out, command
         assert f"realflow {command} " in out  # how to get its help
     for experiment in ("sft", "grpo-math", "ppo-math", "async-grpo-math"):

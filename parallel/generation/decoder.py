@@ -22,7 +22,7 @@ what routing replay (R3) hands the trainer.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,10 @@ from parallel.generation.moe import moe_forward, routing_dtype
 from parallel.generation.weights import DecoderWeights, ModelSpec
 from parallel.model_config import rope_inv_freq
 
-__all__ = ["KVCache", "Decoder"]
+__all__ = ["KVCache", "Decoder", "Probe"]
+
+#: ``probe(op, layer, x)`` at the op boundaries of a forward (see :attr:`Decoder.probe`)
+Probe = Callable[[str, int, torch.Tensor], None]
 
 
 class KVCache:
@@ -160,6 +163,13 @@ class Decoder:
         # MoE only: the top-k expert ids of every input token of the last prefill ([J, P, layers,
         # topk], padding rows included) or decode ([B, layers, topk]); None for dense models
         self.routing: Optional[torch.Tensor] = None
+        # The mismatch doctor's window into a forward (parallel.mismatch_probe): called with
+        # ("embedding", -1, x), ("attention", i, x) and ("mlp", i, x) for the residual stream after
+        # layer i's attention / MLP block, ("final_norm", -1, h) and ("logits", -1, logits).  x is
+        # [J, P, h] in prefill, [B, h] in decode (changed in place afterwards: the probe copies
+        # what it keeps); final_norm / logits rows are the rows logits() was given.  None (always,
+        # outside the doctor) costs one test per layer.
+        self.probe: Optional[Probe] = None
 
     # ------------------------------------------------------------- tp helpers
 
@@ -185,7 +195,11 @@ class Decoder:
             parts = [torch.empty_like(out) for _ in range(self.spec.tp_size)]
             dist.all_gather(parts, out.contiguous(), group=self.tp_group)
             out = torch.cat(parts, -1)
-        return out[..., : self.spec.arch.vocab_size].float()
+        out = out[..., : self.spec.arch.vocab_size].float()
+        if self.probe is not None:
+            self.probe("final_norm", -1, h)
+            self.probe("logits", -1, out)
+        return out
 
     def _qkv(self, layer, x: torch.Tensor):
         """x [..., h] -> q [..., ng, rep, hd], k, v [..., ng, hd] (qk-norm applied)."""
@@ -241,6 +255,9 @@ class Decoder:
         else:
             cos = rope[0].view(J, P, 1, 1, -1)
             sin = rope[1].view(J, P, 1, 1, -1)
+        probe = self.probe
+        if probe is not None:
+            probe("embedding", -1, x)
         routing = rows = None
         if self.moe is not None:
             routing = self._new_routing(J * P, x.device)
@@ -258,7 +275,11 @@ class Decoder:
                                                enable_gqa=self.rep > 1)
             o = o.transpose(1, 2).reshape(J, P, s.local_heads * s.head_dim)
             x = x + self._all_reduce(_linear(o, layer.proj_w, layer.proj_t))
+            if probe is not None:
+                probe("attention", li, x)
             x = x + (self._mlp(layer, x) if routing is None else self._moe(layer, li, x, routing, rows))
+            if probe is not None:
+                probe("mlp", li, x)
         if routing is not None:
             self.routing = routing.view(J, P, s.num_layers, -1)
         last = x[torch.arange(J, device=x.device), lens - 1]
@@ -294,6 +315,9 @@ class Decoder:
         values = cache.v[:, :B, :, :L].flatten(1, 2)  # [layers, B*ng, L, hd]
         ffn = s.ffn // s.tp_size
         routing = None if self.moe is None else self._new_routing(B, x.device)
+        probe = self.probe
+        if probe is not None:
+            probe("embedding", -1, x)
         for li, layer in enumerate(self.w.layers):
             h = _rms(x, layer.ln1, self.eps)
             qkv = _linear(h, layer.qkv_w, layer.qkv_t, layer.qkv_b).view(B, ng, rep + 2, hd)
@@ -310,12 +334,16 @@ class Decoder:
                                    alpha=self.scale)  # [B*ng, rep, L]
             o = torch.bmm(torch.softmax(scores, dim=-1), values[li])  # [B*ng, rep, hd]
             x.add_(self._all_reduce(_linear(o.view(B, ng * rep * hd), layer.proj_w, layer.proj_t)))
+            if probe is not None:
+                probe("attention", li, x)
             if routing is not None:
                 x.add_(self._moe(layer, li, x, routing))
-                continue
-            gate_up = _linear(_rms(x, layer.ln2, self.eps), layer.fc1_w, layer.fc1_t)
-            act = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
-            x.add_(self._all_reduce(_linear(act, layer.fc2_w, layer.fc2_t)))
+            else:
+                gate_up = _linear(_rms(x, layer.ln2, self.eps), layer.fc1_w, layer.fc1_t)
+                act = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
+                x.add_(self._all_reduce(_linear(act, layer.fc2_w, layer.fc2_t)))
+            if probe is not None:
+                probe("mlp", li, x)
         if routing is not None:
             self.routing = routing
         return self.logits(x)

@@ -13,7 +13,9 @@ has the same config) and renders the master's progress records on the console.
 ``--print-config`` prints the resolved config and stops; ``--dry-run`` stops after the plan
 (drawn, nothing prepared); ``--check`` runs every check, data tokenisation included, but
 prepares nothing (no SFT start trained, no data generated, nothing downloaded or written):
-what ``prepare()`` would make is listed as not checked.
+what ``prepare()`` would make is listed as not checked.  An experiment may add opt-in checks
+(its ``extra_checks(setup, pending)``; the RL ones: ``check.mismatch=true`` generates a few
+samples in-process and prints the generator-trainer log-prob gap).
 """
 from __future__ import annotations
 
@@ -174,9 +176,12 @@ def main(experiment: Optional[str], argv: Optional[list[str]] = None, app: str =
             print(f"processes and flows drawn to {procs}")
         return 0
     try:
-        if mode == "check":  # --check never trains, generates or downloads: what prepare() makes is skipped
+        if mode == "check":  # --check never trains or downloads (generates only if check.* asks): prepare() is skipped
             _check_creatable(setup.run_dir)
             notes = preflight(setup, pending=cfg.pending_paths())
+            extra = getattr(cfg, "extra_checks", None)  # an experiment's opt-in checks (e.g. check.mismatch)
+            if callable(extra):
+                notes += extra(setup, cfg.pending_paths())
         else:
             cfg.prepare()
             notes = preflight(setup)

@@ -4,6 +4,7 @@
     realflow plot RUN_DIR [--out DIR]                                   # a run's plots (realflow.apps.plot)
     realflow calibrate [--out FILE] [--quick]                           # this machine's device profile
     realflow plan model=... cluster=... experiment=...                  # search allocations
+    realflow doctor mismatch RUN_DIR [--step N]                         # why gen and trainer log-probs differ
     realflow help [COMMAND]                                             # the commands, or one command's help
 
 ``python -m realflow.apps.main`` is the same command.  The tools are dispatched on the
@@ -24,8 +25,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("the fastest allocations of an experiment on a real or described cluster", "realflow plan --help"),
     "plot": ("draw a run's stats to PNG files: realflow plot RUN_DIR", "realflow plot --help"),
     "calibrate": ("measure this machine's device profile for the planner", "realflow calibrate --help"),
+    "doctor": ("find why the generator's log-probs differ from the trainer's: realflow doctor mismatch RUN_DIR",
+               "realflow doctor --help"),
     "help": ("this text; realflow help COMMAND shows that command's help", "realflow help"),
 }
+#: the commands that are tools (each one's main imported only when asked for)
+TOOLS = ("plot", "calibrate", "plan", "doctor")
 #: the one-word entry points of the built-in experiments (setup.py console scripts)
 ENTRY_POINTS = {"realflow-sft": "sft", "realflow-sync-ppo": "grpo-math", "realflow-async-ppo": "async-grpo-math"}
 
@@ -36,6 +41,8 @@ def _tool(name: str) -> Callable[[list[str]], int]:
         from realflow.apps.plot import main as tool
     elif name == "calibrate":
         from realflow.apps.calibrate import main as tool
+    elif name == "doctor":
+        from realflow.apps.doctor import main as tool
     else:
         from realflow.apps.plan import main as tool
     return tool
@@ -44,7 +51,7 @@ def _tool(name: str) -> Callable[[list[str]], int]:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     first = argv[0] if argv else None
-    if first in ("plot", "calibrate", "plan"):
+    if first in TOOLS:
         return _tool(first)(argv[1:])
     if first is None or first == "help":
         return _help(argv[1:])
@@ -72,7 +79,7 @@ def _imports(argv: list[str]) -> list[str]:
 
 def _help(topic: list[str], imports: Optional[list[str]] = None) -> int:
     """``realflow help``: every command and experiment; ``realflow help X``: X's own help."""
-    if topic and topic[0] in ("plot", "calibrate", "plan"):
+    if topic and topic[0] in TOOLS:
         return _tool(topic[0])(["--help"])
     names = _experiments(imports or [])
     if names is None:

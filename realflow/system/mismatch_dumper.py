@@ -44,7 +44,7 @@ class MismatchDumper:
                 "trainer_precision": precision,
                 # a synchronous run's generator shares the trainer's weights; servers: rollout.precision
                 "gen_precision": gen,
-                "gen_engine": rollout.backend if rollout is not None else "builtin",
+                "engine": rollout.backend if rollout is not None else "builtin",
                 "asynchronous": rollout is not None,
                 "temperature": float(args.get("temperature", 1.0)),
                 "max_tokens_per_mb": mfc.mb_spec.max_tokens_per_mb,

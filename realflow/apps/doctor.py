@@ -69,6 +69,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {a.run_dir}: no such run directory (give the directory of a run that ran with "
               f"mismatch_dump_every=N)", file=sys.stderr)
         return 2
+    import warnings
+
+    # megatron's import-time notices (no Apex, deprecated scopes) are not the user's concern here
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
     from realflow.api.diagnostics import doctors
     from realflow.config.cli import ConfigError
     from realflow.plugins import load_plugins

@@ -86,8 +86,9 @@ def dump_steps(run_dir: str) -> list[int]:
     return sorted(steps)
 
 
-def dump_samples(batch: SequenceBatch, n: int) -> list[DumpSample]:
-    """The first ``n`` responses of ``batch`` (every response of a sample counts)."""
+def dump_samples(batch: SequenceBatch, n: int, version: Optional[int] = None) -> list[DumpSample]:
+    """The first ``n`` responses of ``batch`` (every response of a sample counts); ``version`` labels
+    the tokens of a batch without per-token versions (a synchronous run's: the trainer's version)."""
     out: list[DumpSample] = []
     for i, sid in enumerate(batch.ids):
         ids_l = batch.sequences(INPUT_IDS, i)
@@ -102,7 +103,10 @@ def dump_samples(batch: SequenceBatch, n: int) -> list[DumpSample]:
             L = len(ids)
             # logprob of token t (t >= p) sits at position t - 1 (see mfc.rl_batch)
             resp = slice(p - 1, L - 1)
-            v = [int(x) for x in vers[j].reshape(-1)[p - 1:L - 1].tolist()] if vers is not None else []
+            if vers is not None:
+                v = [int(x) for x in vers[j].reshape(-1)[p - 1:L - 1].tolist()]
+            else:
+                v = [] if version is None else [int(version)] * (L - p)
             out.append(DumpSample(
                 id=f"{sid}/{j}", input_ids=[int(x) for x in ids.tolist()], prompt_len=p,
                 behaviour_logprobs=[float(x) for x in lps[j].float()[resp].tolist()], versions=v,

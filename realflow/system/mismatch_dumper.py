@@ -53,5 +53,6 @@ class MismatchDumper:
             }
             write_dump(self.setup.run_dir, MismatchDump(step=step, model=mfc.model_name,
                                                         weights_version=int(model.version), settings=settings,
-                                                        samples=dump_samples(batch, self.n)))
+                                                        samples=dump_samples(batch, self.n,
+                                                                             None if rollout else int(model.version))))
         return d

@@ -58,10 +58,12 @@ def run_mismatch_check(setup: Any, role: str, n_samples: int, max_new_tokens: in
     if not prompts:
         return ["check.mismatch: skipped: the training data has no prompt"]
     precision = resolve_precision(setup.model_precision(spec))
+    # an asynchronous run's servers may run their own precision (rollout.precision)
+    gen_precision = resolve_precision(setup.generation_precision()) if setup.rollout is not None else precision
     temperature = float(sampling.get("temperature", 1.0))
     longest = max(len(p) for p in prompts) + max_new_tokens
     gen = GenerationEngine.from_hf(spec.path, EngineConfig(max_running_requests=len(prompts), max_model_len=longest),
-                                   tokenizer=None, dtype=dtype_of(precision))
+                                   tokenizer=None, dtype=dtype_of(gen_precision))
     params = SamplingParams(max_new_tokens=max_new_tokens, **sampling, seed=setup.seed,
                             logprob_mode="raw" if temperature in (0.0, 1.0) else "sampling")
     results = [r for r in gen.generate(prompts, params) if r.output_ids]
@@ -73,7 +75,8 @@ def run_mismatch_check(setup: Any, role: str, n_samples: int, max_new_tokens: in
     trainer = replay_trainer(build_trainer(spec.path, precision), seqs, [len(r.prompt_ids) for r in results],
                              max_tokens_per_mb, temperature if temperature > 0 else 1.0)
     g = gap_stats(behaviour, trainer.logprobs)
-    lines = [f"check.mismatch: {len(results)} samples ({g['tokens']} tokens) of {role} at {precision}, temperature "
+    sides = precision if gen_precision == precision else f"{gen_precision} (generator) / {precision} (trainer)"
+    lines = [f"check.mismatch: {len(results)} samples ({g['tokens']} tokens) of {role} at {sides}, temperature "
              f"{temperature:g}, max_new_tokens {max_new_tokens}: " + format_gap(g)]
     if temperature == 0.0:
         lines.append("check.mismatch: greedy sampling (temperature 0): the gap is of the untempered log-probs")

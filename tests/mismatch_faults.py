@@ -49,8 +49,10 @@ def generate(path: str, precision: str = "fp32", seed: int = 0) -> list[Any]:
 
 
 def write(run_dir: str, step: int, weights: str, results: list[Any], version: int, *,
-          gen_weights: Optional[str] = None, settings: Optional[dict[str, Any]] = None) -> str:
-    """A dump of ``results`` (labelled weight ``version``) with ``weights`` as the trainer's copy."""
+          gen_weights: Optional[str] = None, settings: Optional[dict[str, Any]] = None,
+          weights_version: Optional[int] = None) -> str:
+    """A dump of ``results`` (labelled weight ``version``) with ``weights`` as the trainer's copy (of
+    ``weights_version``, default ``version``)."""
     samples = [DumpSample(id=f"s{i}", input_ids=list(r.prompt_ids) + list(r.output_ids), prompt_len=len(r.prompt_ids),
                           behaviour_logprobs=[float(x) for x in r.output_logprobs],
                           versions=[version] * len(r.output_ids)) for i, r in enumerate(results)]
@@ -60,5 +62,6 @@ def write(run_dir: str, step: int, weights: str, results: list[Any], version: in
         shutil.copytree(gen_weights, os.path.join(d, "gen_weights"))
     s = {"trainer_precision": "fp32", "gen_precision": "fp32", "temperature": TEMPERATURE,
          "max_tokens_per_mb": 8192, "engine": "builtin", **(settings or {})}
-    return write_dump(run_dir, MismatchDump(step=step, model="actor", weights_version=version, settings=s,
+    return write_dump(run_dir, MismatchDump(step=step, model="actor", settings=s,
+                                            weights_version=version if weights_version is None else weights_version,
                                             samples=samples))

@@ -81,7 +81,22 @@ def case_stale_version(ctx):
     return _doctor(run)
 
 
-CASES = ["case_clean", "case_bf16_generator", "case_perturbed_layer", "case_stale_version"]
+def case_honestly_stale(ctx):
+    """Asynchronous runs: samples of version 0, honestly labelled, in the dump of the trainer's version 1.
+    With version 0's weights in an earlier dump the sides are compared on them; without, no replay."""
+    import mismatch_faults as mf
+
+    m = _model(ctx)
+    v1 = mf.perturbed(m, os.path.join(ctx.tmpdir, "v1_honest"))
+    with_old, without = os.path.join(ctx.tmpdir, "honest"), os.path.join(ctx.tmpdir, "honest_lost")
+    mf.write(with_old, 1, m, mf.generate(m, seed=7), 0)
+    # the trainer's weights are version 1, the samples (truly) version 0's
+    mf.write(with_old, 2, v1, mf.generate(m), 0, weights_version=1)
+    mf.write(without, 2, v1, mf.generate(m), 0, weights_version=1)
+    return {"with_old": _doctor(with_old), "without": _doctor(without)}
+
+
+CASES = ["case_clean", "case_bf16_generator", "case_perturbed_layer", "case_stale_version", "case_honestly_stale"]
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +147,15 @@ def test_stale_version_is_named(doctor):
     assert rep["verdict"]["cause"] == "stale weights", d["text"]
     assert "step 1's weights (version 0)" in _verdict(d) and "labelled version 1" in _verdict(d)
     assert rep["fidelity"]["mean_abs"] > 1e-4  # this step's own weights do not reproduce the samples
+
+
+def test_honestly_stale_samples_are_compared_on_their_own_version(doctor):
+    d = doctor["case_honestly_stale"]["with_old"]
+    assert d["report"]["verdict"]["cause"] == "none", d["text"]
+    assert "compared on step 1's weights (version 0, which generated the samples)" in d["text"]
+    lost = doctor["case_honestly_stale"]["without"]
+    assert lost["rc"] == 0 and lost["report"]["verdict"]["cause"] == "stale samples", lost["text"]
+    assert "mismatch_dump_every=1" in lost["text"] and not lost["png"]
 
 
 # ---------------------------------------------------------------- bad input: one line, exit code 2

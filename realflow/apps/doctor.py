@@ -89,11 +89,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     os.makedirs(out, exist_ok=True)
     png = os.path.join(out, f"doctor_step_{rep['step']}.png")
     js = os.path.join(out, f"doctor_step_{rep['step']}.json")
-    draw(rep, png)
+    if rep["divergence"]:  # (stale samples without their weights: nothing was replayed to draw)
+        draw(rep, png)
     with open(js, "w") as f:
         json.dump(_plain(rep), f, indent=1)
     print(format_report(rep))
-    print(f"plot: {png}\nreport: {js}")
+    print((f"plot: {png}\n" if rep["divergence"] else "") + f"report: {js}")
     return 0
 
 
@@ -114,17 +115,25 @@ def _e(x: float) -> str:
 
 def format_report(rep: dict[str, Any]) -> str:
     """The handful of lines the doctor prints."""
-    g, f = rep["gap_recorded"], rep["fidelity"]
-    lines = [f"mismatch doctor: {rep['run_dir']} step {rep['step']}: {rep['samples']} samples, {rep['tokens']} "
-             f"response tokens; weights version {rep['weights_version']}, samples labelled version "
-             f"{rep['labelled_version']}; trainer {rep['trainer_precision']}, generator {rep['gen_precision']}"
-             f"{' (own weight copy)' if rep['gen_weights'] else ''}, temperature {rep['temperature']:g}",
-             f"gap as recorded ({rep['gap_recorded_source']}): mean |Δ log p| {_e(g['mean_abs'])}, max "
-             f"{_e(g['max_abs'])}, k3 KL {_e(g['k3_kl'])}, |Δ|>0.1: {100 * g['frac_gt_0.1']:.1f}%, "
-             f">1: {100 * g['frac_gt_1']:.1f}%",
-             f"replay fidelity (the generator rebuilt as run vs the recorded behaviour log-probs): mean |Δ| "
+    head = (f"mismatch doctor: {rep['run_dir']} step {rep['step']}: {rep['samples']} samples, {rep['tokens']} "
+            f"response tokens; weights version {rep['weights_version']}, samples labelled version "
+            f"{rep['labelled_version']}; trainer {rep['trainer_precision']}, generator {rep['gen_precision']}"
+            f"{' (own weight copy)' if rep['gen_weights'] else ''}, temperature {rep['temperature']:g}")
+    g = rep.get("gap_recorded")
+    recorded = ("" if g is None else
+                f"gap as recorded ({rep['gap_recorded_source']}): mean |Δ log p| {_e(g['mean_abs'])}, max "
+                f"{_e(g['max_abs'])}, k3 KL {_e(g['k3_kl'])}, |Δ|>0.1: {100 * g['frac_gt_0.1']:.1f}%, "
+                f">1: {100 * g['frac_gt_1']:.1f}%")
+    if "fidelity" not in rep:  # nothing replayed (stale samples whose weights no dump holds)
+        return "\n".join(x for x in (head, recorded, f"verdict: {rep['verdict']['text']}") if x)
+    f = rep["fidelity"]
+    lines = [head, recorded]
+    if rep.get("compared_on"):
+        lines.append(f"compared on {rep['compared_on']}")
+    lines += [f"replay fidelity (the generator rebuilt as run vs the recorded behaviour log-probs): mean |Δ| "
              f"{_e(f['mean_abs'])}, max {_e(f['max_abs'])}"
              + ("" if rep["reproduced_by"] == "as run" else f"; {rep['reproduced_by']} reproduce them")]
+    lines = [x for x in lines if x]
     first = rep["first_divergence"]
     line = (f"first divergence (a token's hidden vector off by > {rep['tolerance']:.0e} relative): "
             + (f"{first['point']} ({_e(first['rel'])})" if first else "none"))

@@ -87,8 +87,17 @@ def dump_steps(run_dir: str) -> list[int]:
 
 
 def dump_samples(batch: SequenceBatch, n: int, version: Optional[int] = None) -> list[DumpSample]:
-    """The first ``n`` responses of ``batch`` (every response of a sample counts); ``version`` labels
-    the tokens of a batch without per-token versions (a synchronous run's: the trainer's version)."""
+    """``n`` responses of ``batch``: those generated wholly by ``version`` (the trainer's, whose
+    weights the dump saves) first, so that the doctor compares both sides on the same weights;
+    then in batch order. ``version`` also labels the tokens of a batch without per-token
+    versions (a synchronous run's)."""
+    every = _responses(batch, version)
+    if version is not None:
+        every.sort(key=lambda s: sum(v != version for v in s.versions))  # (stable: batch order otherwise)
+    return every[:n]
+
+
+def _responses(batch: SequenceBatch, version: Optional[int]) -> list[DumpSample]:
     out: list[DumpSample] = []
     for i, sid in enumerate(batch.ids):
         ids_l = batch.sequences(INPUT_IDS, i)
@@ -97,8 +106,6 @@ def dump_samples(batch: SequenceBatch, n: int, version: Optional[int] = None) ->
         vers = batch.sequences(VERSIONS, i) if VERSIONS in batch.data else None
         prox = batch.sequences(PROX_LOGPROBS, i) if PROX_LOGPROBS in batch.data else None
         for j, ids in enumerate(ids_l):
-            if len(out) >= n:
-                return out
             p = int(masks[j].to(torch.int64).sum())
             L = len(ids)
             # logprob of token t (t >= p) sits at position t - 1 (see mfc.rl_batch)

@@ -53,6 +53,5 @@ class MismatchDumper:
             }
             write_dump(self.setup.run_dir, MismatchDump(step=step, model=mfc.model_name,
                                                         weights_version=int(model.version), settings=settings,
-                                                        samples=dump_samples(batch, self.n,
-                                                                             None if rollout else int(model.version))))
+                                                        samples=dump_samples(batch, self.n, int(model.version))))
         return d

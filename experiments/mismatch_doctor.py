@@ -70,12 +70,13 @@ class Replayer:
             self._gens[key] = build_generator(path, precision, len(self.seqs), max(len(s) for s in self.seqs))
         return replay_generator(self._gens[key], self.seqs, self.pl, self.t, probe=probe, full_prefill=full)
 
-    def trainer(self, path: str, precision: str, *, probe: bool = False, mb: Any = "run") -> Replay:
+    def trainer(self, path: str, precision: str, *, probe: bool = False, mb: Any = "run",
+                routes: Optional[list[torch.Tensor]] = None) -> Replay:
         key = (path, precision)
         if key not in self._trainers:
             self._trainers[key] = build_trainer(path, precision)
         return replay_trainer(self._trainers[key], self.seqs, self.pl, self.mb if mb == "run" else mb,
-                              self.t, probe=probe)
+                              self.t, probe=probe, routes=routes)
 
 
 def _settings(dump: MismatchDump) -> tuple[str, str, float, Optional[int]]:
@@ -186,10 +187,15 @@ def diagnose(run_dir: str, step: Optional[int] = None, samples: Optional[int] = 
     knobs = _knobs(r, rep, actual, t_run, weights, gen_path, tp, gp, base, keys)
     rep["knobs"] = knobs
     rep["weight_diff"] = weight_diff(gen_path, weights)[:8] if dump.gen_weights_path else []
-    rep["moe"] = "not compared: each side routes with its own router" if r_cfg(weights).get("num_experts") \
-        else "n/a (dense model)"
+    rep["moe"] = _moe_line(knobs, base) if actual["replay"].routes is not None else "n/a (dense model)"
     rep["verdict"] = _verdict(rep, actual, dump)
     return rep
+
+
+def _moe_line(knobs: list[dict[str, Any]], base: dict[str, float]) -> str:
+    k = next(k for k in knobs if k["cause"] == "MoE routing")
+    return (f"each side on its own router: mean |Δ log p| {base['mean_abs']:.1e}; the trainer on the generator's "
+            f"experts (routing replay): {k['gap']['mean_abs']:.1e}")
 
 
 def _dump_of_version(run_dir: str, version: int) -> Optional[MismatchDump]:
@@ -291,6 +297,9 @@ def _knobs(r: Replayer, rep: dict[str, Any], actual: dict[str, Any], t_run: Repl
         gap_stats(g_act.logprobs, r.trainer(weights, tp, mb=1).logprobs))
     add("one full prefill instead of KV-cache decode (generator)", "attention path",
         gap_stats(r.gen(a_path, a_prec, full=True).logprobs, t_run.logprobs))
+    if g_act.routes is not None:  # MoE: the trainer routes every token to the generator's experts (R3)
+        add("the trainer routes to the generator's experts (routing replay)", "MoE routing",
+            gap_stats(g_act.logprobs, r.trainer(weights, tp, routes=g_act.routes).logprobs))
     if os.path.realpath(a_path) != os.path.realpath(weights):
         add("the trainer's weights in the generator", "stale weights" if actual.get("stale") else "weight copy",
             gap_stats(r.gen(weights, a_prec).logprobs, t_run.logprobs))

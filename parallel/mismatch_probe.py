@@ -42,6 +42,9 @@ class Replay:
 
     logprobs: list[torch.Tensor]  # [n_i] fp32
     hidden: dict[Key, list[Optional[torch.Tensor]]] = field(default_factory=dict)  # key -> sample -> [n_i, D]
+    #: MoE generator replays (KV-cache path): per sample, the experts each token was routed to,
+    #: ``[len(sample), layers, topk]`` aligned with its tokens (the last token, never fed, is 0)
+    routes: Optional[list[torch.Tensor]] = None
 
 
 def point_order(num_layers: int) -> list[Key]:
@@ -143,6 +146,12 @@ def replay_generator(engine: Any, seqs: Sequence[Sequence[int]], prompt_lens: Se
         ids, lens = _right_padded([list(s[:p]) for s, p in zip(seqs, prompt_lens)], dev)
         where.update(phase="prefill", span=[(p - 1, p) for p in prompt_lens])
         logits = dec.prefill(ids, lens, cache, 0)
+        routes = None
+        if dec.moe is not None:  # the experts of every fed token (what routing replay hands the trainer)
+            k = dec.routing.shape[-1]
+            routes = [torch.zeros(len(s), dec.spec.num_layers, k, dtype=torch.long) for s in seqs]
+            for i, p in enumerate(prompt_lens):
+                routes[i][:p] = dec.routing[i, :p].long().cpu()
         firsts = torch.tensor([s[p] for s, p in zip(seqs, prompt_lens)])
         for i, v in enumerate(_lp(logits, firsts, temperature).tolist()):
             lps[i][0] = v
@@ -154,12 +163,15 @@ def replay_generator(engine: Any, seqs: Sequence[Sequence[int]], prompt_lens: Se
             pos = torch.tensor([prompt_lens[i] + step - 1 for i in rows], device=dev)
             where.update(phase="decode", rows=list(rows), step=step)
             logits = dec.decode(toks, pos, cache)
+            if routes is not None:
+                for r, i in enumerate(rows):
+                    routes[i][prompt_lens[i] + step - 1] = dec.routing[r].long().cpu()
             nxt = torch.tensor([seqs[i][prompt_lens[i] + step] for i in rows])
             for i, v in zip(rows, _lp(logits, nxt, temperature).tolist()):
                 lps[i][step] = v
             _remove(rows, [r for r, i in enumerate(rows) if n[i] == step + 1], cache, prompt_lens, step)
             step += 1
-        return Replay(lps, dict(cap.hidden) if cap else {})
+        return Replay(lps, dict(cap.hidden) if cap else {}, routes)
     finally:
         dec.probe = None
 
@@ -183,15 +195,18 @@ def _remove(rows: list[int], done: list[int], cache: Any, prompt_lens: Sequence[
 
 
 def replay_trainer(engine: Any, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-                   max_tokens_per_mb: Optional[int], temperature: float = 1.0, *, probe: bool = False) -> Replay:
+                   max_tokens_per_mb: Optional[int], temperature: float = 1.0, *, probe: bool = False,
+                   routes: Optional[Sequence[torch.Tensor]] = None) -> Replay:
     """:meth:`MegatronEngine.logprobs` of the packed samples (``max_tokens_per_mb`` as the run;
-    1 = one sequence per micro-batch); with ``probe``, forward hooks on the GPTModel."""
+    1 = one sequence per micro-batch); with ``probe``, forward hooks on the GPTModel; with
+    ``routes`` (an MoE generator replay's), every token goes to the generator's experts."""
     n = _check(seqs, prompt_lens)
     packed = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
     lens = [len(s) for s in seqs]
     handles = _hooks(engine, seqs, prompt_lens, _Capture(n)) if probe else None
     try:
-        lp = engine.logprobs(packed, lens, max_tokens_per_mb, temperature=temperature)
+        kw = {} if routes is None else {"routed_experts": torch.cat(list(routes))}
+        lp = engine.logprobs(packed, lens, max_tokens_per_mb, temperature=temperature, **kw)
     finally:
         cap = None
         if handles is not None:

@@ -96,7 +96,19 @@ def case_honestly_stale(ctx):
     return {"with_old": _doctor(with_old), "without": _doctor(without)}
 
 
-CASES = ["case_clean", "case_bf16_generator", "case_perturbed_layer", "case_stale_version", "case_honestly_stale"]
+def case_moe_bf16(ctx):
+    """A Qwen3-MoE with a bf16 generator: routing ties break differently; the report gives the gap with
+    the trainer on the generator's experts (routing replay) beside each side on its own router."""
+    import mismatch_faults as mf
+
+    m, run = os.path.join(ctx.tmpdir, "moe"), os.path.join(ctx.tmpdir, "moe_run")
+    make_tiny_hf(m, "qwen3_moe", seed=3)
+    mf.write(run, 1, m, mf.generate(m, "bf16"), 0, settings={"gen_precision": "bf16"})
+    return _doctor(run)
+
+
+CASES = ["case_clean", "case_bf16_generator", "case_perturbed_layer", "case_stale_version", "case_honestly_stale",
+         "case_moe_bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +168,16 @@ def test_honestly_stale_samples_are_compared_on_their_own_version(doctor):
     lost = doctor["case_honestly_stale"]["without"]
     assert lost["rc"] == 0 and lost["report"]["verdict"]["cause"] == "stale samples", lost["text"]
     assert "mismatch_dump_every=1" in lost["text"] and not lost["png"]
+
+
+def test_moe_routing_is_a_knob(doctor):
+    d = doctor["case_moe_bf16"]
+    rep = d["report"]
+    assert rep["verdict"]["cause"] == "precision", d["text"]
+    (knob,) = [k for k in rep["knobs"] if k["cause"] == "MoE routing"]
+    # replaying the generator's experts leaves the bf16 rounding, not more than each router on its own
+    assert 0 < knob["gap"]["mean_abs"] <= rep["gap_replayed"]["mean_abs"] * 1.5, rep["knobs"]
+    assert "routing replay" in rep["moe"] and "MoE routing: each side on its own router" in d["text"]
 
 
 # ---------------------------------------------------------------- bad input: one line, exit code 2

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from realflow.api.batch import SequenceBatch
-from realflow.api.keys import LOGPROBS
+from realflow.api.keys import LOGPROBS, ROUTED_EXPERTS
 from realflow.base.devices import resolve_precision
 from realflow.system.mismatch_dump import WEIGHTS_DIR, MismatchDump, dump_dir, dump_samples, write_dump
 
@@ -50,6 +50,7 @@ class MismatchDumper:
                 "max_tokens_per_mb": mfc.mb_spec.max_tokens_per_mb,
                 "layout": str(getattr(call, "layout", "")),
                 "mfc": mfc.name,
+                "routing_replay": ROUTED_EXPERTS in batch.data,  # (MoE) the trainer used the generator's experts
             }
             write_dump(self.setup.run_dir, MismatchDump(step=step, model=mfc.model_name,
                                                         weights_version=int(model.version), settings=settings,

@@ -9,7 +9,7 @@ unpacked back to [total_tokens, ...] in the original order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -21,6 +21,7 @@ class PaddedBatch:
     input_ids: torch.Tensor  # [B, S] int64, right padded
     position_ids: torch.Tensor  # [B, S] int64, 0..len-1 then 0 on pads
     valid: torch.Tensor  # [B, S] bool, True on real tokens
+    packed: Optional[Any] = None  # pad-free rows ([1, T]): megatron's PackedSeqParams (parallel/packed_batch.py)
 
 
 def check_packed(input_ids: torch.Tensor, seqlens: list[int], what: str = "input_ids") -> None:

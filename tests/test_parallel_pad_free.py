@@ -1,0 +1,226 @@
+"""Pad-free micro-batches (``training.pad_free``) == the padded path, on a real 2-rank gloo group.
+
+For d1, d2, t2 (sequence parallel: the filler to a multiple of tp) and p2 (1F1B: one common
+row length, the filler to the longest micro-batch), with lengths 1..37 in several micro-batches:
+
+* actor log-probs and entropy, critic values: pad-free on vs off within TOL relative (fp32);
+* one train step (actor and critic): loss, grad norm, gradients (dp = 1) and the parameter
+  update (every layout) within TOL relative;
+* ``n_computed_tokens``: the real token count pad-free without filler (d1), the padded count off;
+* ``training.pad_free=on`` on an unsupported model (megatron's attention) is a one-line error,
+  ``auto`` falls back to padding there.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel.testing import make_tiny_hf, run_cases
+
+MODULE = __name__.rsplit(".", 1)[-1]
+WORLD = 2
+TOL = 1e-5  # max |on - off| / max |off|, fp32
+LAYOUTS = {"d1": (1, 1, 1), "d2": (2, 1, 1), "t2": (1, 2, 1), "p2": (1, 1, 2)}
+LENS = [1, 37, 3, 20, 2, 11, 5, 29, 1, 14]  # very different lengths, two of length 1
+MB_TOKENS = 40  # several micro-batches per pass
+CASES = (["case_setup"] + [f"case_{name}" for name in LAYOUTS] + ["case_unsupported"])
+
+
+def _ids():
+    g = torch.Generator().manual_seed(11)
+    return torch.randint(0, 150, (sum(LENS),), generator=g)
+
+
+def _micro_batches(dp: int, dp_rank: int, critic: bool):
+    """This dp rank's micro-batches of the step: (ids, lens, (targets, mask)), 2-3 sequences each."""
+    ids = _ids()
+    offs = [0]
+    for n in LENS:
+        offs.append(offs[-1] + n)
+    seqs = [ids[offs[i]:offs[i + 1]] for i in range(len(LENS))]
+    mine = seqs[dp_rank::dp]
+    groups = [mine[i:i + 2] for i in range(0, len(mine), 2)] if dp == 1 else [mine[:3], mine[3:]]
+    out = []
+    for grp in groups:
+        cat = torch.cat(grp)
+        lens = [len(s) for s in grp]
+        if critic:
+            target = cat.float() / 150 - 0.5
+        else:
+            target = torch.cat([torch.cat([s[1:], s[:1]]) for s in grp])
+        mask = torch.ones(len(cat))
+        mask[torch.tensor(lens).cumsum(0) - 1] = 0.0
+        out.append((cat, lens, (target, mask)))
+    return out
+
+
+def lm_loss(out, extra):
+    targets, mask = extra
+    logp, ent = out.logprobs_and_entropy(targets)
+    return -(mask * (logp + 0.01 * ent)).sum(), {}
+
+
+def critic_loss(out, extra):
+    returns, mask = extra
+    return (mask * (out.values() - returns) ** 2).sum(), {}
+
+
+def weight(extra):
+    return float(extra[1].sum()) or 1.0
+
+
+def _opt_cfg():
+    from parallel.optim import EngineOptimizerConfig
+
+    # eps = 1: Adam's first update is ~lr * g (linear in the gradient), so a tiny gradient's
+    # last-bit difference is not amplified to a full lr step; no clipping, no decay
+    return EngineOptimizerConfig(lr=0.1, weight_decay=0.0, eps=1.0, warmup_steps_proportion=0.0,
+                                 lr_scheduler_type="constant", min_lr_ratio=0.0, gradient_clipping=0.0,
+                                 total_train_steps=2)
+
+
+def _engine(ctx, layout, name, pad_free, critic=False, attention="sdpa"):
+    from transformers import AutoConfig
+
+    from parallel.engine import MegatronEngine
+    from parallel.groups import ParallelStrategy, build_model_groups
+    from realflow.api.model_options import TrainingMemoryConfig
+
+    dp, tp, pp = layout
+    groups = build_model_groups(list(range(dp * tp * pp)), ParallelStrategy(dp=dp, tp=tp, pp=pp))
+    if not groups.is_member:
+        return None
+    path = os.path.join(ctx.tmpdir, name)
+    return MegatronEngine(AutoConfig.from_pretrained(path), groups, path, _opt_cfg(), seed=1, critic=critic,
+                          attention=attention, training=TrainingMemoryConfig(pad_free=pad_free))
+
+
+def _rel(a, b):
+    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-30)
+
+
+def _run(ctx, layout, critic):
+    """Everything one engine computes (outputs, step stats, gradients, update), off then on."""
+    name = "critic" if critic else "lm"
+    res = {}
+    for mode in ("off", "on"):
+        eng = _engine(ctx, layout, name, mode, critic=critic)  # every rank: new groups are world-collective
+        if eng is None:
+            continue
+        assert eng.pad_free == (mode == "on")
+        r = res[mode] = {}
+        ids = _ids()
+        if critic:
+            r["values"] = eng.values(ids, LENS, MB_TOKENS)
+        else:
+            both = eng.logprobs(ids, LENS, MB_TOKENS, with_entropy=True)
+            r["logprobs"], r["entropy"] = both if both is not None else (None, None)
+        before = eng.full_hf_state()
+        mbs = _micro_batches(layout[0], eng.groups.dp_rank, critic)
+        r["stats"] = eng.train_batch(mbs, critic_loss if critic else lm_loss, weight)
+        if layout[0] == 1:
+            r["grads"] = eng.full_hf_grads()
+        after = eng.full_hf_state()
+        if after is not None:
+            r["update"] = {k: after[k] - before[k] for k in after}
+        r["output_rank"] = eng.is_output_rank
+    return res or None
+
+
+def _compare(res, layout, critic):
+    off, on = res["off"], res["on"]
+    errs = {}
+    for k in ("values",) if critic else ("logprobs", "entropy"):
+        if off["output_rank"]:
+            errs[k] = _rel(on[k], off[k])
+    so, sn = off["stats"], on["stats"]
+    for k in ("loss", "grad_norm"):
+        errs[k] = abs(sn[k] - so[k]) / abs(so[k])
+    assert sn["n_tokens"] == so["n_tokens"] == sum(LENS)
+    assert so["n_computed_tokens"] > so["n_tokens"]  # these batches pad
+    assert sn["n_tokens"] <= sn["n_computed_tokens"] < so["n_computed_tokens"]
+    if layout == (1, 1, 1):
+        assert sn["n_computed_tokens"] == sn["n_tokens"], sn  # no filler without sp / pp
+    if on.get("grads") is not None:
+        scale = max(g.abs().max().item() for g in off["grads"].values())
+        errs["grads"] = max((on["grads"][n] - g).abs().max().item() for n, g in off["grads"].items()) / scale
+    if on.get("update") is not None:
+        scale = max(u.abs().max().item() for u in off["update"].values())
+        errs["update"] = max((on["update"][n] - u).abs().max().item() for n, u in off["update"].items()) / scale
+    bad = {k: v for k, v in errs.items() if not v <= TOL}
+    assert not bad, f"pad-free != padded beyond {TOL}: {bad}"
+    return {"errors": errs, "computed": [so["n_computed_tokens"], sn["n_computed_tokens"]]}
+
+
+def _case(ctx, name):
+    layout = LAYOUTS[name]
+    out = {}
+    for critic in (False, True):
+        res = _run(ctx, layout, critic)
+        if res is not None:
+            out["critic" if critic else "actor"] = _compare(res, layout, critic)
+    return out
+
+
+def case_setup(ctx):
+    if ctx.rank == 0:
+        make_tiny_hf(os.path.join(ctx.tmpdir, "lm"), "qwen2", seed=3, tie_word_embeddings=True)
+        make_tiny_hf(os.path.join(ctx.tmpdir, "critic"), "qwen2", seed=4, critic=True, tie_word_embeddings=False)
+    dist.barrier()
+
+
+def case_d1(ctx):
+    return _case(ctx, "d1")
+
+
+def case_d2(ctx):
+    return _case(ctx, "d2")
+
+
+def case_t2(ctx):
+    return _case(ctx, "t2")
+
+
+def case_p2(ctx):
+    return _case(ctx, "p2")
+
+
+def case_unsupported(ctx):
+    msg = None
+    try:
+        eng = _engine(ctx, (1, 1, 1), "lm", "on", attention="megatron")
+    except ValueError as e:
+        msg = str(e)
+        assert "\n" not in msg and "training.pad_free=on" in msg and "DotProductAttention" in msg, msg
+    else:
+        assert eng is None, "pad_free=on with megatron's attention did not raise"
+    eng = _engine(ctx, (1, 1, 1), "lm", "auto", attention="megatron")
+    if eng is None:
+        return None
+    assert not eng.pad_free and msg is not None
+    stats = eng.train_batch(_micro_batches(1, 0, False), lm_loss, weight)
+    assert stats["n_computed_tokens"] > stats["n_tokens"]
+    return {"message": msg}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases([f"{MODULE}:{c}" for c in CASES], world_size=WORLD, timeout=300,
+                     pythonpath=[os.path.dirname(__file__)])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pad_free(results, case):
+    r = results[case]
+    assert r.ok, r.error
+
+
+def test_pad_free_option_checked():
+    from realflow.api.model_options import TrainingMemoryConfig
+
+    assert TrainingMemoryConfig().pad_free == "auto"
+    with pytest.raises(ValueError, match="training.pad_free='yes' must be one of auto, on, off"):
+        TrainingMemoryConfig(pad_free="yes")

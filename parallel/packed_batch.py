@@ -16,9 +16,10 @@ as a dummy segment of its own (it attends to itself only; its outputs are droppe
 
 What the path needs from the model (:func:`resolve_pad_free`): our SDPA core attention (megatron's
 local ``DotProductAttention`` refuses THD; TransformerEngine's would need its varlen kernels, not
-tested here), no vision tower (its M-RoPE positions are laid out per padded row,
-:mod:`parallel.vision_step`) and no MoE routing context (its replay rows and real-token masks are
-per padded row, :mod:`parallel.moe_step`). Those keep the padded path under ``auto``.
+tested here) and no vision tower (its M-RoPE positions and image rows are laid out per padded
+row, :mod:`parallel.vision_step`). Those keep the padded path under ``auto``. MoE models run
+pad-free (:mod:`parallel.moe_step` takes the row's sequence ends), unless an expert capacity
+drops tokens (then which ones depends on the layout).
 """
 from __future__ import annotations
 
@@ -100,8 +101,8 @@ def unsupported_reason(module: torch.nn.Module, *, moe: Optional[Any], vision: O
 
     if vision is not None:
         return "a vision-language model (M-RoPE positions and image rows are laid out per padded row)"
-    if moe is not None:
-        return "an MoE model (routing replay and the router's real-token mask are per padded row)"
+    if moe is not None and getattr(module.config, "moe_expert_capacity_factor", None) is not None:
+        return "an MoE model with an expert capacity (which tokens are dropped depends on the batch's layout)"
     cores = [m.core_attention for m in module.modules() if hasattr(m, "core_attention")]
     if any(not isinstance(c, SDPACoreAttention) for c in cores):
         kind = type(next(c for c in cores if not isinstance(c, SDPACoreAttention))).__name__

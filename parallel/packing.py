@@ -1,7 +1,8 @@
 """Packed variable-length sequences <-> right-padded [B, S] batches.
 
 realflow moves sequences packed (one 1-D tensor + lengths).  Megatron's local
-attention on CPU has no packed (THD) support, so each micro-batch is padded to
+attention on CPU has no packed (THD) support, so without our SDPA attention's pad-free path
+(:mod:`parallel.packed_batch`) each micro-batch is padded to
 [B, S] and run with a causal mask: with right padding a real token never
 attends to a pad (pads come after it), so the result is exact.  Outputs are
 unpacked back to [total_tokens, ...] in the original order.
@@ -13,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["PaddedBatch", "pad_packed", "unpad", "split_by_token_budget", "check_packed"]
+__all__ = ["PaddedBatch", "pad_packed", "unpad", "split_by_token_budget", "check_packed", "sequence_ends"]
 
 
 @dataclass
@@ -61,6 +62,18 @@ def pad_packed(input_ids: torch.Tensor, seqlens: list[int], pad_id: int = 0, *,
     ids[valid] = input_ids
     pos = torch.where(valid, ar.to(input_ids.device), torch.zeros_like(ar).to(input_ids.device))
     return PaddedBatch(ids, pos, valid)
+
+
+def sequence_ends(pb: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, cols)`` of every sequence's last token in ``pb``: one per non-empty row when
+    padded; the end of every segment of the row when pad-free (the filler's end included: it is
+    not a real token, so whatever marks it is masked anyway)."""
+    if pb.packed is not None:
+        ends = pb.packed.cu_seqlens_q[1:].to(device=pb.valid.device, dtype=torch.long) - 1
+        return torch.zeros_like(ends), ends
+    lengths = pb.valid.sum(1)
+    rows = torch.nonzero(lengths > 0).flatten()
+    return rows, lengths[rows] - 1
 
 
 def unpad(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ row length, the filler to the longest micro-batch), with lengths 1..37 in severa
 * one train step (actor and critic): loss, grad norm, gradients (dp = 1) and the parameter
   update (every layout) within TOL relative;
 * ``n_computed_tokens``: the real token count pad-free without filler (d1), the padded count off;
+* an MoE model (routing replay, load-balancing loss) in d1 and t2: log-probs, the train step and its
+  routing statistics;
 * ``training.pad_free=on`` on an unsupported model (megatron's attention) is a one-line error,
   ``auto`` falls back to padding there.
 """
@@ -26,7 +28,11 @@ TOL = 1e-5  # max |on - off| / max |off|, fp32
 LAYOUTS = {"d1": (1, 1, 1), "d2": (2, 1, 1), "t2": (1, 2, 1), "p2": (1, 1, 2)}
 LENS = [1, 37, 3, 20, 2, 11, 5, 29, 1, 14]  # very different lengths, two of length 1
 MB_TOKENS = 40  # several micro-batches per pass
-CASES = (["case_setup"] + [f"case_{name}" for name in LAYOUTS] + ["case_unsupported"])
+MOE = dict(vocab_size=150, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=16, max_position_embeddings=128)
+MOE_LAYOUTS = {"moe_d1": (1, 1, 1), "moe_t2": (1, 2, 1)}
+CASES = (["case_setup"] + [f"case_{name}" for name in LAYOUTS] + [f"case_{name}" for name in MOE_LAYOUTS]
+         + ["case_unsupported"])
 
 
 def _ids():
@@ -169,6 +175,7 @@ def case_setup(ctx):
     if ctx.rank == 0:
         make_tiny_hf(os.path.join(ctx.tmpdir, "lm"), "qwen2", seed=3, tie_word_embeddings=True)
         make_tiny_hf(os.path.join(ctx.tmpdir, "critic"), "qwen2", seed=4, critic=True, tie_word_embeddings=False)
+        make_tiny_hf(os.path.join(ctx.tmpdir, "moe"), "qwen3_moe", seed=5, **MOE)
     dist.barrier()
 
 
@@ -186,6 +193,61 @@ def case_t2(ctx):
 
 def case_p2(ctx):
     return _case(ctx, "p2")
+
+
+def _routes():
+    """Replayed experts [tokens, layers, k] (2 of 8, distinct); every 5th token keeps its router's choice."""
+    g = torch.Generator().manual_seed(12)
+    r = torch.rand(sum(LENS), MOE["num_hidden_layers"], 8, generator=g).argsort(-1)[..., :2].sort(-1).values
+    r[::5] = -1
+    return r
+
+
+def _moe_case(ctx, name):
+    from realflow.api.keys import ROUTED_EXPERTS
+
+    layout = MOE_LAYOUTS[name]
+    res = {}
+    for mode in ("off", "on"):
+        eng = _engine(ctx, layout, "moe", mode)
+        if eng is None:
+            continue
+        assert eng.pad_free == (mode == "on")
+        r = res[mode] = {}
+        ids, routes = _ids(), _routes()
+        r["logprobs"] = eng.logprobs(ids, LENS, MB_TOKENS, routed_experts=routes)
+        mbs, off = [], 0
+        for cat, lens, (targets, mask) in _micro_batches(1, 0, False):
+            mbs.append((cat, lens, {"targets": targets, "mask": mask, ROUTED_EXPERTS: routes[off:off + len(cat)]}))
+            off += len(cat)
+        r["stats"] = eng.train_batch(mbs, lambda out, ex: lm_loss(out, (ex["targets"], ex["mask"])),
+                                     lambda ex: float(ex["mask"].sum()))
+        r["grads"] = eng.full_hf_grads()
+        r["output_rank"] = eng.is_output_rank
+    if not res:
+        return None
+    errs = {}
+    if res["off"]["output_rank"]:
+        errs["logprobs"] = _rel(res["on"]["logprobs"], res["off"]["logprobs"])
+    so, sn = res["off"]["stats"], res["on"]["stats"]
+    assert so["moe/replayed_tokens"] == sn["moe/replayed_tokens"] > 0, (so, sn)
+    for k in ("loss", "grad_norm", "moe/aux_loss", "moe/expert_load", "moe/replay_mismatch"):
+        errs[k] = abs(sn[k] - so[k]) / max(abs(so[k]), 1e-30)
+    if res["on"]["grads"] is not None:
+        go, gn = res["off"]["grads"], res["on"]["grads"]
+        scale = max(g.abs().max().item() for g in go.values())
+        errs["grads"] = max((gn[n] - g).abs().max().item() for n, g in go.items()) / scale
+    bad = {k: v for k, v in errs.items() if not v <= TOL}
+    assert not bad, f"MoE pad-free != padded beyond {TOL}: {bad}"
+    return {"errors": errs, "computed": [so["n_computed_tokens"], sn["n_computed_tokens"]]}
+
+
+def case_moe_d1(ctx):
+    return _moe_case(ctx, "moe_d1")
+
+
+def case_moe_t2(ctx):
+    return _moe_case(ctx, "moe_t2")
 
 
 def case_unsupported(ctx):

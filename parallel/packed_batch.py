@@ -16,10 +16,10 @@ as a dummy segment of its own (it attends to itself only; its outputs are droppe
 
 What the path needs from the model (:func:`resolve_pad_free`): our SDPA core attention (megatron's
 local ``DotProductAttention`` refuses THD; TransformerEngine's would need its varlen kernels, not
-tested here) and no vision tower (its M-RoPE positions and image rows are laid out per padded
-row, :mod:`parallel.vision_step`). Those keep the padded path under ``auto``. MoE models run
-pad-free (:mod:`parallel.moe_step` takes the row's sequence ends), unless an expert capacity
-drops tokens (then which ones depends on the layout).
+tested here); those keep the padded path under ``auto``. MoE models run pad-free
+(:mod:`parallel.moe_step` takes the row's sequence ends) unless an expert capacity drops tokens
+(then which ones depends on the layout); vision-language models too (:mod:`parallel.vision_step`
+lays out each segment's M-RoPE positions and image rows).
 """
 from __future__ import annotations
 
@@ -99,8 +99,6 @@ def unsupported_reason(module: torch.nn.Module, *, moe: Optional[Any], vision: O
     """Why this model cannot run pad-free ('' when it can)."""
     from parallel.attention import SDPACoreAttention
 
-    if vision is not None:
-        return "a vision-language model (M-RoPE positions and image rows are laid out per padded row)"
     if moe is not None and getattr(module.config, "moe_expert_capacity_factor", None) is not None:
         return "an MoE model with an expert capacity (which tokens are dropped depends on the batch's layout)"
     cores = [m.core_attention for m in module.modules() if hasattr(m, "core_attention")]

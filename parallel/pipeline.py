@@ -101,8 +101,6 @@ class ScheduleRunner:
         VL model's :class:`parallel.vision_step.VisionStep` (M-RoPE positions, image features).
         ``pad_free``: run micro-batches as concatenated rows (module docstring; the caller checked
         the model supports it, :func:`parallel.packed_batch.resolve_pad_free`)."""
-        if pad_free and vision is not None:
-            raise ValueError("ScheduleRunner: pad_free is not supported with a vision step")
         self.pad_free = bool(pad_free)
         self.computed_tokens = 0  # token rows the last run() computed (real + padding), this replica
         from megatron.core.pipeline_parallel import get_forward_backward_func

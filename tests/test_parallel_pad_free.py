@@ -9,6 +9,8 @@ row length, the filler to the longest micro-batch), with lengths 1..37 in severa
 * ``n_computed_tokens``: the real token count pad-free without filler (d1), the padded count off;
 * an MoE model (routing replay, load-balancing loss) in d1 and t2: log-probs, the train step and its
   routing statistics;
+* a vision-language model (Qwen2.5-VL: M-RoPE positions, image features) in d1, t2 and p2: logits
+  and the train step;
 * ``training.pad_free=on`` on an unsupported model (megatron's attention) is a one-line error,
   ``auto`` falls back to padding there.
 """
@@ -31,8 +33,9 @@ MB_TOKENS = 40  # several micro-batches per pass
 MOE = dict(vocab_size=150, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
            head_dim=16, max_position_embeddings=128)
 MOE_LAYOUTS = {"moe_d1": (1, 1, 1), "moe_t2": (1, 2, 1)}
+VL_LAYOUTS = {"vl_d1": (1, 1, 1), "vl_t2": (1, 2, 1), "vl_p2": (1, 1, 2)}
 CASES = (["case_setup"] + [f"case_{name}" for name in LAYOUTS] + [f"case_{name}" for name in MOE_LAYOUTS]
-         + ["case_unsupported"])
+         + [f"case_{name}" for name in VL_LAYOUTS] + ["case_unsupported"])
 
 
 def _ids():
@@ -176,6 +179,9 @@ def case_setup(ctx):
         make_tiny_hf(os.path.join(ctx.tmpdir, "lm"), "qwen2", seed=3, tie_word_embeddings=True)
         make_tiny_hf(os.path.join(ctx.tmpdir, "critic"), "qwen2", seed=4, critic=True, tie_word_embeddings=False)
         make_tiny_hf(os.path.join(ctx.tmpdir, "moe"), "qwen3_moe", seed=5, **MOE)
+        from test_parallel_vl import MODEL as VL
+
+        make_tiny_hf(os.path.join(ctx.tmpdir, "vl"), seed=6, **VL)
     dist.barrier()
 
 
@@ -248,6 +254,56 @@ def case_moe_d1(ctx):
 
 def case_moe_t2(ctx):
     return _moe_case(ctx, "moe_t2")
+
+
+def _vl_case(ctx, name):
+    """Sequences mixing text, one and two images (test_parallel_vl's samples): two micro-batches."""
+    import test_parallel_vl as vl
+
+    layout = VL_LAYOUTS[name]
+    samples = vl._samples()
+    ids = torch.cat([i for i, _ in samples])
+    lens = [len(i) for i, _ in samples]
+    images = [im for _, im in samples]
+    res = {}
+    for mode in ("off", "on"):
+        eng = _engine(ctx, layout, "vl", mode)
+        if eng is None:
+            continue
+        assert eng.pad_free == (mode == "on")
+        r = res[mode] = {"logits": eng.forward(ids, lens, 48, images=images)}
+        r["stats"] = eng.train_batch([vl._micro_batch(samples[:3]), vl._micro_batch(samples[3:])],
+                                     vl.nll_loss, vl.nll_weight)
+        r["grads"] = eng.full_hf_grads()
+    if not res:
+        return None
+    errs = {}
+    if res["off"]["logits"] is not None:
+        errs["logits"] = _rel(res["on"]["logits"], res["off"]["logits"])
+    for k in ("loss", "grad_norm"):
+        errs[k] = abs(res["on"]["stats"][k] - res["off"]["stats"][k]) / abs(res["off"]["stats"][k])
+    if res["on"]["grads"] is not None:
+        go, gn = res["off"]["grads"], res["on"]["grads"]
+        scale = max(g.abs().max().item() for g in go.values())
+        errs["grads"] = max((gn[n] - g).abs().max().item() for n, g in go.items()) / scale
+        errs["visual_grads"] = max((gn[n] - g).abs().max().item() for n, g in go.items()
+                                   if n.startswith("visual.")) / scale
+    bad = {k: v for k, v in errs.items() if not v <= TOL}
+    assert not bad, f"VL pad-free != padded beyond {TOL}: {bad}"
+    return {"errors": errs, "computed": [res["off"]["stats"]["n_computed_tokens"],
+                                         res["on"]["stats"]["n_computed_tokens"]]}
+
+
+def case_vl_d1(ctx):
+    return _vl_case(ctx, "vl_d1")
+
+
+def case_vl_t2(ctx):
+    return _vl_case(ctx, "vl_t2")
+
+
+def case_vl_p2(ctx):
+    return _vl_case(ctx, "vl_p2")
 
 
 def case_unsupported(ctx):

@@ -92,8 +92,8 @@ class TrainingMemoryConfig:
     pad_free: str = field(default="auto", metadata={
         "help": "run each micro-batch's sequences concatenated (no padding in the layers; attention and "
                 "rotary positions per sequence) in log-probs, values and train steps: auto (pad-free where "
-                "supported: text models, dense or MoE, with the sdpa attention; padded for vision-language and "
-                "TransformerEngine) | on (error where unsupported) | off (right-padded [B, S])"})
+                "supported: models built with the sdpa attention, dense, MoE or vision-language; padded with "
+                "megatron's attention or TransformerEngine) | on (error where unsupported) | off (right-padded [B, S])"})
 
     def __post_init__(self) -> None:
         if self.gradient_checkpointing not in RECOMPUTE_MODES:

@@ -54,11 +54,13 @@ def pack_micro_batch(input_ids: torch.Tensor, seqlens: list[int], total: int) ->
     dev = input_ids.device
     ids = torch.zeros(1, total, dtype=input_ids.dtype, device=dev)
     ids[0, :real] = input_ids
-    pos = torch.cat([torch.arange(n, device=dev) for n in segs])[None]
+    lens = torch.tensor(segs, dtype=torch.int32)
+    cu = torch.zeros(len(segs) + 1, dtype=torch.int32)
+    cu[1:] = lens.cumsum(0)
+    # built on the host, moved once: position = index - its segment's start
+    pos = (torch.arange(total) - torch.repeat_interleave(cu[:-1].long(), lens.long()))[None].to(dev)
     valid = torch.zeros(1, total, dtype=torch.bool, device=dev)
     valid[0, :real] = True
-    cu = torch.zeros(len(segs) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(segs, dtype=torch.int32).cumsum(0)
     cu = cu.to(dev)
     longest = max(segs)
     params = PackedSeqs(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,

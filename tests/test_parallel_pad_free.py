@@ -342,3 +342,17 @@ def test_pad_free_option_checked():
     assert TrainingMemoryConfig().pad_free == "auto"
     with pytest.raises(ValueError, match="training.pad_free='yes' must be one of auto, on, off"):
         TrainingMemoryConfig(pad_free="yes")
+
+
+def test_packed_row_layout():
+    from parallel.packed_batch import pack_micro_batch, pad_free_batches
+
+    pb = pack_micro_batch(torch.arange(1, 11), [1, 4, 5], 13)
+    assert pb.input_ids.tolist() == [list(range(1, 11)) + [0, 0, 0]]
+    assert pb.position_ids.tolist() == [[0, 0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2]]  # restart per sequence
+    assert pb.valid.tolist() == [[True] * 10 + [False] * 3]  # the filler segment is dropped
+    assert pb.packed.cu_seqlens_q.tolist() == [0, 1, 5, 10, 13] and pb.packed.max_seqlen_q == 5
+    assert pad_free_batches([7, 10, 3], 2, common=False) == ([8, 10, 4], 10)  # sp: a multiple of tp
+    assert pad_free_batches([7, 10, 3], 1, common=True) == ([10, 10, 10], 10)  # pp: one shape
+    with pytest.raises(ValueError, match="total=9 < 10 tokens"):
+        pack_micro_batch(torch.arange(10), [10], 9)

@@ -15,7 +15,8 @@ this run; each reports the mean step time after a warm-up step.
 Models: ``default`` is the embedded default (the SFT checkpoint the default run starts from,
 trained first if absent); ``20m`` a ~20M-parameter Qwen2 (random init, the same tokenizer).
 Prints seconds per step for each side, the ratio (goal: >= 3x on the default model, >= 2x
-on the 20M one) and realflow's breakdown.
+on the 20M one), realflow's breakdown and, when the actor logs ``n_tokens`` /
+``n_computed_tokens``, the training tokens computed per useful one (padding; ``training.pad_free``).
 """
 from __future__ import annotations
 
@@ -229,6 +230,11 @@ def main() -> None:
             print(f"  realflow {part:<46} {sec * 1000:8.1f} ms  {100 * sec / rf_step:5.1f}%")
         print(f"  realflow generated tokens/s inside the step: {gen_tokens / parts['generation']:.0f} "
               f"(benchmarks/bench_generate.py measures the engine alone)")
+        computed = sum(r.get("actor_train/n_computed_tokens", 0.0) for r in rf_rows)
+        if computed:  # the actor's train steps: token rows the layers ran (training.pad_free) per real token
+            useful = sum(r.get("actor_train/n_tokens", 0.0) for r in rf_rows)
+            print(f"  realflow training tokens computed / useful: {computed / max(useful, 1.0):.3f} "
+                  f"({useful / computed:.1%} real)")
         for part in plain_phases[0]:
             v = statistics.mean(p[part] for p in plain_phases)
             print(f"  plain    {part:<46} " + (f"{v:8.0f}" if "/s" in part else f"{v * 1000:8.1f} ms"))

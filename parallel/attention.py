@@ -5,8 +5,16 @@ megatron's local ``DotProductAttention`` materialises the [b, np, s, s] scores
 about a quarter of a small model's train step.  This module is a drop-in
 replacement (same constructor and forward contract, plugged into the layer spec
 as ``core_attention``) that calls ``F.scaled_dot_product_attention``, which uses
-a fused flash-style kernel on CPU and GPU.  Causal self-attention only; no
-packed (THD) sequences - the same limits as the module it replaces.
+a fused flash-style kernel on CPU and GPU.  Causal self-attention only.
+
+Packed (THD) micro-batches (:mod:`parallel.packed_batch`, ``packed_seq_params`` with
+``qkv_format="thd"``): q/k/v arrive as ``[t, heads, hn]`` of several sequences back to back, and
+each sequence attends causally within itself.  This runs one causal SDPA per ``cu_seqlens``
+segment: exactly the computation of that sequence's row in the padded path (a right-padded row
+under a causal mask never sees its padding), at ``sum(len_i^2)`` cost; a block-diagonal mask
+over the whole row would cost ``t^2`` memory and flops, and re-padding q/k/v to ``[n_seq, L]``
+would bring back the padding this path removes.  The loop is one kernel call per sequence and
+layer (micro-seconds each).
 """
 from __future__ import annotations
 
@@ -46,8 +54,36 @@ class SDPACoreAttention(MegatronModule):
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
                 attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[Tensor] = None, packed_seq_params: Any = None) -> Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention: packed sequences / attention bias")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention: attention bias")
+        if packed_seq_params is not None:
+            return self._thd(query, key, value, attention_mask, attn_mask_type, packed_seq_params)
+        return self._sbhd(query, key, value, attention_mask, attn_mask_type)
+
+    def _thd(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+             attn_mask_type: Optional[AttnMaskType], params: Any) -> Tensor:
+        """[t, np, hn] q / [t, ng, hn] k, v of back-to-back sequences -> [t, np * hn]."""
+        if params.qkv_format != "thd" or attention_mask is not None:
+            raise NotImplementedError(f"SDPACoreAttention: packed sequences need qkv_format='thd' and no "
+                                      f"attention mask (got {params.qkv_format!r})")
+        if (params.cu_seqlens_q_padded is not None or params.cu_seqlens_kv_padded is not None
+                or params.cu_seqlens_q is not params.cu_seqlens_kv
+                and not torch.equal(params.cu_seqlens_q, params.cu_seqlens_kv)):
+            raise NotImplementedError("SDPACoreAttention: packed self-attention needs cu_seqlens_q == "
+                                      "cu_seqlens_kv and no padded cu_seqlens")
+        segs = list(getattr(params, "segments", ()) or ())
+        if not segs:  # plain PackedSeqParams: one device -> host read
+            cu = params.cu_seqlens_q
+            segs = (cu[1:] - cu[:-1]).tolist()
+        t, nq, hn = query.shape
+        if sum(segs) != t:
+            raise ValueError(f"SDPACoreAttention: cu_seqlens cover {sum(segs)} tokens, q has {t}")
+        parts = [self._sbhd(q[:, None], k[:, None], v[:, None], None, attn_mask_type)
+                 for q, k, v in zip(query.split(segs), key.split(segs), value.split(segs))]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, nq * hn)
+
+    def _sbhd(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+              attn_mask_type: Optional[AttnMaskType]) -> Tensor:
         sq, b, nq, hn = query.shape
         nk = key.shape[2]
         # [s, b, n, h] -> [b, n, s, h]; kv heads are shared by nq // nk consecutive query heads

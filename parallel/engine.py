@@ -63,6 +63,7 @@ from parallel.nonfinite import (
     params_finite,
 )
 from parallel.optim import EngineOptimizerConfig, build_optimizer
+from parallel.packed_batch import resolve_pad_free
 from parallel.optim_offload import OptimizerOffload
 from parallel.outputs import TokenOutputs
 from parallel.pipeline import (
@@ -85,7 +86,8 @@ from realflow.base.devices import to_device, to_host
 
 __all__ = ["MegatronEngine", "EngineOptimizerConfig", "TokenOutputs", "LossFn"]
 
-_RESERVED = ("loss", "grad_norm", "lr", "n_tokens", "loss_weight", "n_mbs", "update_successful", "nonfinite_skipped")
+_RESERVED = ("loss", "grad_norm", "lr", "n_tokens", "n_computed_tokens", "loss_weight", "n_mbs", "update_successful",
+             "nonfinite_skipped")
 
 
 def _load_hf_config(hf_config: Any) -> Any:
@@ -164,7 +166,10 @@ class MegatronEngine(EngineHFMixin):
         self.moe_step = build_moe_step(self.module, self.arch, groups, self.config, self.hf_config, moe)
         self.vision_step = None if self.arch.vision is None else \
             VisionStep(self.module, self.arch.vision, bool(self.config.sequence_parallel), groups.tp_group)
-        self._runner = ScheduleRunner(groups, self.config, self.moe_step, self.vision_step)
+        # training.pad_free: concatenated micro-batches where the model supports them (packed_batch.py)
+        self.pad_free = resolve_pad_free(self.training.pad_free, self.module, moe=self.moe_step,
+                                         vision=self.vision_step)
+        self._runner = ScheduleRunner(groups, self.config, self.moe_step, self.vision_step, pad_free=self.pad_free)
         self._generator: Optional[Any] = None  # parallel.generation.GenerationEngine, built by generator()
 
     # ------------------------------------------------------------------ setup
@@ -219,6 +224,12 @@ class MegatronEngine(EngineHFMixin):
         return bool(self.critic)
 
     @property
+    def computed_tokens(self) -> int:
+        """Token rows (real + padding) the last schedule of this dp replica ran: forward passes'
+        counterpart of ``train_batch``'s ``n_computed_tokens``."""
+        return int(self._runner.computed_tokens)
+
+    @property
     def is_output_rank(self) -> bool:
         """True where forward / logprobs / values return tensors: last stage, tp rank 0."""
         return self.groups.is_last_stage and self.groups.tp_rank == 0
@@ -250,9 +261,11 @@ class MegatronEngine(EngineHFMixin):
 
         Under a budget, sequences of similar length share a micro-batch (each runs padded
         to its longest; see realflow.api.padded_partition), and the outputs are put back
-        in the input's order.
+        in the input's order; pad-free, contiguous runs of sequences fill the budget.
         """
         seqlens = [int(n) for n in seqlens]
+        if self.pad_free:  # cost = real tokens: contiguous runs under the budget, no reordering
+            return self._packed_result(self._infer(input_ids, seqlens, max_tokens_per_mb, fn, routes, images))
         parts = [list(range(len(seqlens)))] if max_tokens_per_mb is None or not seqlens else \
             padded_partition([[n] for n in seqlens], 1, max_tokens_per_mb)
         if len(parts) == 1:
@@ -461,7 +474,9 @@ class MegatronEngine(EngineHFMixin):
         only, on every tp rank there.
 
         Returns, on every rank: ``loss`` (global weighted mean), ``grad_norm`` (before
-        clipping), ``lr`` (used by this step), ``n_tokens``, ``loss_weight`` and
+        clipping), ``lr`` (used by this step), ``n_tokens``, ``n_computed_tokens`` (the token
+        rows the layers ran: real + padding; ``n_tokens / n_computed_tokens`` is the real
+        fraction, 1 pad-free up to the sp / pp filler), ``loss_weight`` and
         ``n_mbs`` (all global over dp), ``update_successful`` and the caller's stats,
         each SUMMED over all micro-batches of all dp ranks (a stat named ``*_max``: the
         maximum).  ``loss_fn`` must return
@@ -536,6 +551,7 @@ class MegatronEngine(EngineHFMixin):
                 payload["sums"] = red
                 if not math.isfinite(red[0]):  # every last-stage rank knows: locate it (collective)
                     payload["bad"] = self._locate_nonfinite_loss(loss_sums, sample_ids)
+        n_computed = self.dp_sum([float(self._runner.computed_tokens)])[0]
         payload = share_from_last_stage(g, payload)
         if payload["error"]:  # before stepping: a bad loss_fn changes nothing
             raise ValueError(payload["error"])
@@ -544,7 +560,7 @@ class MegatronEngine(EngineHFMixin):
             ok, grad_norm = self._checked_step(payload.get("bad"))
         red = payload["sums"]
         out = {"loss": red[0] / total_w, "grad_norm": grad_norm, "lr": lr,
-               "n_tokens": n_tokens, "loss_weight": total_w, "n_mbs": n_mbs,
+               "n_tokens": n_tokens, "n_computed_tokens": n_computed, "loss_weight": total_w, "n_mbs": n_mbs,
                "update_successful": float(ok), "nonfinite_skipped": float(not ok)}
         out.update(zip(payload["keys"], red[1:]))
         if self.moe_step is not None:

@@ -223,28 +223,36 @@ def replay_trainer(engine: Any, seqs: Sequence[Sequence[int]], prompt_lens: Sequ
 
 def _hooks(engine: Any, seqs: Sequence[Sequence[int]], prompt_lens: Sequence[int], cap: _Capture):
     """Forward hooks on the GPTModel (hidden states ``[s, b, h]``: sequence first); each micro-batch's
-    rows are matched to samples by their tokens (read from the model's input in a pre-hook)."""
+    rows (pad-free: the segments of its one row) are matched to samples by their tokens (read from
+    the model's input in a pre-hook)."""
     model = engine.module
     vocab = engine.arch.vocab_size
     free: dict[tuple[int, ...], deque] = defaultdict(deque)
     for i, s in enumerate(seqs):
         free[tuple(s)].append(i)
-    rows: list[Optional[int]] = []
+    rows: list[tuple[int, int, int]] = []  # (batch row, start in the row, sample)
 
     def on_input(_mod, args, kwargs):
         ids = args[0] if args else kwargs["input_ids"]
         pos = args[1] if len(args) > 1 else kwargs["position_ids"]
+        packed = kwargs.get("packed_seq_params")
         rows.clear()
-        ar = torch.arange(ids.shape[1], device=ids.device)
-        for r in range(ids.shape[0]):
-            L = int((pos[r] == ar).sum())
-            q = free.get(tuple(ids[r, :L].tolist()))
-            rows.append(q.popleft() if q else None)
+        if packed is not None:  # pad-free: one row of back-to-back sequences (parallel/packed_batch.py)
+            spans, start = [], 0
+            for n in packed.segments:
+                spans.append((0, start, n))
+                start += n
+        else:
+            ar = torch.arange(ids.shape[1], device=ids.device)
+            spans = [(r, 0, int((pos[r] == ar).sum())) for r in range(ids.shape[0])]
+        for r, start, n in spans:
+            q = free.get(tuple(ids[r, start:start + n].tolist()))
+            if q:
+                rows.append((r, start, q.popleft()))
 
     def put(key: Key, x: torch.Tensor) -> None:
-        for r, i in enumerate(rows):
-            if i is not None:
-                cap.put(key, i, 0, x[prompt_lens[i] - 1:len(seqs[i]) - 1, r])
+        for r, start, i in rows:
+            cap.put(key, i, 0, x[start + prompt_lens[i] - 1:start + len(seqs[i]) - 1, r])
 
     def first(o: Any) -> torch.Tensor:
         return o[0] if isinstance(o, (tuple, list)) else o

@@ -4,7 +4,9 @@ Before a micro-batch's forward, :class:`MoEStep` tells the model's routers
 (:class:`parallel.moe_router.RoutingContext`) which of the ``[s, b]`` tokens are real and, with
 routing replay, which experts the generator chose for them (a packed ``[tokens, layers, k]``
 integer tensor aligned with the micro-batch's ``input_ids``; ``-1`` rows keep the router's own
-choice).  After it, the routers' totals become the load-balancing loss and the statistics.
+choice).  A pad-free micro-batch (:mod:`parallel.packed_batch`) is the ``b = 1`` case: megatron's
+dropless MoE routes every token on its own, so only the real-token mask and the sequence ends
+need the layout.  After it, the routers' totals become the load-balancing loss and the statistics.
 
 The load-balancing loss is transformers' (:func:`parallel.moe_router.hf_aux_loss`) over the
 micro-batch's real tokens and this stage's layers, summed over the tensor-parallel ranks that
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.moe_router import RoutingContext, hf_aux_loss
-from parallel.packing import PaddedBatch
+from parallel.packing import PaddedBatch, sequence_ends
 
 __all__ = ["MoEStep", "build_moe_step"]
 
@@ -77,9 +79,7 @@ class MoEStep:
             padded[pb.valid] = routes.to(device=pb.valid.device, dtype=torch.long)
             # each sequence's last token never ran as the generator's input: its row is a filler,
             # so it routes on its own (it feeds no prediction, and the statistics skip it)
-            lengths = pb.valid.sum(1)
-            rows = torch.nonzero(lengths > 0).flatten()
-            padded[rows, lengths[rows] - 1] = -1
+            padded[sequence_ends(pb)] = -1
             ordered = _router_order(padded, s.tp, self.groups.tp_rank, self.sp)  # [T, L, k]
             replay = {layer: ordered[:, layer] for layer in range(ordered.shape[1])}
         want_grad = training and self.aux_coef > 0 and self.aux_scale_of is not None

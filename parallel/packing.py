@@ -1,7 +1,8 @@
 """Packed variable-length sequences <-> right-padded [B, S] batches.
 
 realflow moves sequences packed (one 1-D tensor + lengths).  Megatron's local
-attention on CPU has no packed (THD) support, so each micro-batch is padded to
+attention on CPU has no packed (THD) support, so without our SDPA attention's pad-free path
+(:mod:`parallel.packed_batch`) each micro-batch is padded to
 [B, S] and run with a causal mask: with right padding a real token never
 attends to a pad (pads come after it), so the result is exact.  Outputs are
 unpacked back to [total_tokens, ...] in the original order.
@@ -9,11 +10,11 @@ unpacked back to [total_tokens, ...] in the original order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["PaddedBatch", "pad_packed", "unpad", "split_by_token_budget", "check_packed"]
+__all__ = ["PaddedBatch", "pad_packed", "unpad", "split_by_token_budget", "check_packed", "sequence_ends"]
 
 
 @dataclass
@@ -21,6 +22,7 @@ class PaddedBatch:
     input_ids: torch.Tensor  # [B, S] int64, right padded
     position_ids: torch.Tensor  # [B, S] int64, 0..len-1 then 0 on pads
     valid: torch.Tensor  # [B, S] bool, True on real tokens
+    packed: Optional[Any] = None  # pad-free rows ([1, T]): megatron's PackedSeqParams (parallel/packed_batch.py)
 
 
 def check_packed(input_ids: torch.Tensor, seqlens: list[int], what: str = "input_ids") -> None:
@@ -60,6 +62,18 @@ def pad_packed(input_ids: torch.Tensor, seqlens: list[int], pad_id: int = 0, *,
     ids[valid] = input_ids
     pos = torch.where(valid, ar.to(input_ids.device), torch.zeros_like(ar).to(input_ids.device))
     return PaddedBatch(ids, pos, valid)
+
+
+def sequence_ends(pb: PaddedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, cols)`` of every sequence's last token in ``pb``: one per non-empty row when
+    padded; the end of every segment of the row when pad-free (the filler's end included: it is
+    not a real token, so whatever marks it is masked anyway)."""
+    if pb.packed is not None:
+        ends = pb.packed.cu_seqlens_q[1:].to(device=pb.valid.device, dtype=torch.long) - 1
+        return torch.zeros_like(ends), ends
+    lengths = pb.valid.sum(1)
+    rows = torch.nonzero(lengths > 0).flatten()
+    return rows, lengths[rows] - 1
 
 
 def unpad(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

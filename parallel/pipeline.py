@@ -8,6 +8,11 @@ With pp == 1 each micro-batch keeps its own ``[b, s]`` (no p2p, less compute).
 Under sequence parallelism (tp > 1) ``S`` is rounded up to a multiple of tp,
 since activations between tp regions are split along the sequence.
 
+Pad-free (``pad_free=True``, :mod:`parallel.packed_batch`): each micro-batch is instead one
+``[1, T]`` row of its concatenated sequences (megatron's THD form); the padding left is a filler
+at the end of the row, to a multiple of tp under sequence parallelism and to the step's largest
+``T`` when pp > 1.  :attr:`ScheduleRunner.computed_tokens` counts the rows' tokens either way.
+
 Every rank of a dp replica (all its tp and pp ranks) must pass the SAME
 micro-batches: the first stage embeds the tokens, the last one computes the
 outputs/loss, the middle ones only need the shapes.
@@ -23,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.groups import ModelGroups
+from parallel.packed_batch import pack_micro_batch, pad_free_batches
 from parallel.packing import PaddedBatch, check_packed, pad_packed, split_by_token_budget
 
 __all__ = ["MicroBatch", "split_packed", "next_token_targets", "ScheduleRunner",
@@ -89,10 +95,14 @@ class ScheduleRunner:
     """Runs micro-batches through megatron's schedule for one model's groups."""
 
     def __init__(self, groups: ModelGroups, config: Any, moe: Optional[Any] = None,
-                 vision: Optional[Any] = None) -> None:
+                 vision: Optional[Any] = None, pad_free: bool = False) -> None:
         """``moe``: the model's :class:`parallel.moe_step.MoEStep` (routing inputs in, aux loss and
         statistics out, around each micro-batch's forward); None for a dense model. ``vision``: a
-        VL model's :class:`parallel.vision_step.VisionStep` (M-RoPE positions, image features)."""
+        VL model's :class:`parallel.vision_step.VisionStep` (M-RoPE positions, image features).
+        ``pad_free``: run micro-batches as concatenated rows (module docstring; the caller checked
+        the model supports it, :func:`parallel.packed_batch.resolve_pad_free`)."""
+        self.pad_free = bool(pad_free)
+        self.computed_tokens = 0  # token rows the last run() computed (real + padding), this replica
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.groups = groups
@@ -124,6 +134,12 @@ class ScheduleRunner:
             padded.append(pad_packed(mb.input_ids.to(device), mb.seqlens, seq_len=s, batch=b))
         return padded, s_all, b_all
 
+    def _pack(self, mbs: list[MicroBatch], device: torch.device) -> tuple[list[PaddedBatch], int, int]:
+        multiple = self.groups.strategy.tp if self.config.sequence_parallel else 1
+        totals, seq = pad_free_batches([sum(mb.seqlens) for mb in mbs], multiple,
+                                       common=self.groups.strategy.pp > 1)
+        return [pack_micro_batch(mb.input_ids.to(device), mb.seqlens, n) for mb, n in zip(mbs, totals)], seq, 1
+
     def run(self, model: torch.nn.Module, mbs: list[MicroBatch], on_output: OutputCallback,
             forward_only: bool, device: torch.device,
             aux_scale_of: Optional[Callable[[int], float]] = None) -> list[Any]:
@@ -133,7 +149,8 @@ class ScheduleRunner:
         return ``(loss, {})`` and the schedule back-propagates ``loss / len(mbs)``.
         ``aux_scale_of(i)``: micro-batch i's weight in the objective (an MoE model's
         load-balancing loss is added with it; see :mod:`parallel.moe_step`)."""
-        padded, seq, mbsz = self._pad(mbs, device)
+        padded, seq, mbsz = (self._pack if self.pad_free else self._pad)(mbs, device)
+        self.computed_tokens = sum(pb.input_ids.numel() for pb in padded)
         items = iter(list(zip(mbs, padded)))
         moe = self.moe
         if moe is not None:
@@ -146,7 +163,8 @@ class ScheduleRunner:
             if self.vision is not None:
                 out = self.vision.forward(model_, pb, mb.images)
             else:
-                out = model_(pb.input_ids, pb.position_ids, None)  # causal mask built by megatron
+                # causal mask built by megatron (pad-free: per sequence, from packed_seq_params)
+                out = model_(pb.input_ids, pb.position_ids, None, packed_seq_params=pb.packed)
             if moe is not None:
                 out = moe.after(out, training=not forward_only)
             return out, partial(self._call, on_output, mb, pb.valid)

@@ -11,6 +11,11 @@ rotates by the positions it is given. Two things differ for a VL model and both 
   into the tp ranks' sequence-parallel chunks happens after the replacement (its backward
   gathers the gradient, so every tp rank's tower receives the same, full gradient and the
   replicated towers stay identical without an extra all-reduce).
+
+A pad-free micro-batch (:mod:`parallel.packed_batch`, one ``[1, T]`` row of back-to-back
+sequences) is the same with the sequences as segments of the row: each segment's M-RoPE
+positions start at 0, and megatron's THD rotary path slices the ``[T]`` frequencies by
+``cu_seqlens`` at their offsets, i.e. applies each token its own positions.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ __all__ = ["VisionStep"]
 
 
 class VisionStep:
-    """Builds the inputs of one padded micro-batch of a VL model (``module``: the unwrapped GPTModel)."""
+    """Builds the inputs of one micro-batch of a VL model, padded or pad-free (``module``: the unwrapped
+    GPTModel)."""
 
     def __init__(self, module: torch.nn.Module, arch: VisionArch, sequence_parallel: bool,
                  tp_group: Any = None) -> None:
@@ -37,20 +43,29 @@ class VisionStep:
 
     def layout(self, pb: PaddedBatch, images: Optional[Sequence[Optional[ImageInputs]]]
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[3, B, S]`` M-RoPE positions (0 on padding) and ``[B, S]``: the tokens taking image features."""
+        """``[3, B, S]`` M-RoPE positions (0 on padding) and ``[B, S]``: the tokens taking image features
+        (``B = 1`` and ``S = T`` pad-free)."""
         B, S = pb.input_ids.shape
         out = torch.zeros((3, B, S), dtype=torch.long)
         mask = torch.zeros((B, S), dtype=torch.bool)
         ids, valid = pb.input_ids.cpu(), pb.valid.cpu()
-        for row in range(B):
-            n = int(valid[row].sum())
-            if n == 0:
-                continue
-            img = images[row] if images is not None and row < len(images) else None
+        # (row, start, length) of each sequence: a padded row each, or the segments of a pad-free row
+        # (each sequence's positions restart at 0 either way; the filler keeps 0s)
+        if pb.packed is not None:
+            spans, start = [], 0
+            for n in pb.packed.segments:
+                if bool(valid[0, start]):
+                    spans.append((0, start, n))
+                start += n
+        else:
+            spans = [(row, 0, int(valid[row].sum())) for row in range(B)]
+            spans = [sp for sp in spans if sp[2] > 0]
+        for i, (row, start, n) in enumerate(spans):
+            img = images[i] if images is not None and i < len(images) else None
             grid = None if img is None or img.num_images == 0 else img.grid_thw
-            pos, _, slots = image_layout(ids[row, :n], grid, self.arch)
-            out[:, row, :n] = pos
-            mask[row, :n] = slots
+            pos, _, slots = image_layout(ids[row, start:start + n], grid, self.arch)
+            out[:, row, start:start + n] = pos
+            mask[row, start:start + n] = slots
         return out.to(pb.input_ids.device), mask.to(pb.input_ids.device)
 
     def embeddings(self, pb: PaddedBatch, images: Optional[Sequence[Optional[ImageInputs]]],
@@ -80,4 +95,4 @@ class VisionStep:
         """``model`` (possibly DDP-wrapped) on this micro-batch; the first stage embeds."""
         pos, mask = self.layout(pb, images)
         dec = self.embeddings(pb, images, mask) if getattr(self.module, "pre_process", True) else None
-        return model(pb.input_ids, pos, None, decoder_input=dec)
+        return model(pb.input_ids, pos, None, decoder_input=dec, packed_seq_params=pb.packed)

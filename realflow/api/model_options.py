@@ -10,13 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 __all__ = ["LoRAConfig", "TrainingMemoryConfig", "MoEConfig", "LORA_TARGETS", "LORA_INITS", "RECOMPUTE_MODES",
-           "ROUTING_REPLAY_MODES"]
+           "PAD_FREE_MODES", "ROUTING_REPLAY_MODES"]
 
 #: HF module names LoRA may target (Qwen2/Qwen3/Llama), each a part of one fused megatron linear
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: PEFT's ``init_lora_weights``: default (A kaiming-uniform, B zero), gaussian (A normal 1/r, B zero)
 LORA_INITS = ("default", "gaussian")
 RECOMPUTE_MODES = ("none", "full", "selective")
+#: ``training.pad_free``: concatenated (THD) micro-batches where supported / required / never
+PAD_FREE_MODES = ("auto", "on", "off")
 #: auto: ``rollout`` for an MoE model in an RL experiment, ``off`` otherwise
 ROUTING_REPLAY_MODES = ("auto", "off", "rollout")
 
@@ -78,7 +80,7 @@ class LoRAConfig:
 
 @dataclass
 class TrainingMemoryConfig:
-    """Memory-for-time trades of a trained model."""
+    """Memory-for-time trades of a trained model (and ``pad_free``: not computing padding)."""
 
     gradient_checkpointing: str = field(default="none", metadata={
         "help": "recompute activations in the backward: none | full (whole layers) | selective "
@@ -87,11 +89,18 @@ class TrainingMemoryConfig:
         "help": "keep the optimizer state in pinned host memory between train steps (GPU; a no-op on CPU)"})
     offload_master_weights: bool = field(default=False, metadata={
         "help": "with optimizer_offload: the fp32 master weights live on the host too"})
+    pad_free: str = field(default="auto", metadata={
+        "help": "run each micro-batch's sequences concatenated (no padding in the layers; attention and "
+                "rotary positions per sequence) in log-probs, values and train steps: auto (pad-free where "
+                "supported: models built with the sdpa attention, dense, MoE or vision-language; padded with "
+                "megatron's attention or TransformerEngine) | on (error where unsupported) | off (right-padded [B, S])"})
 
     def __post_init__(self) -> None:
         if self.gradient_checkpointing not in RECOMPUTE_MODES:
             raise ValueError(f"training.gradient_checkpointing={self.gradient_checkpointing!r} must be one of "
                              f"{', '.join(RECOMPUTE_MODES)}")
+        if self.pad_free not in PAD_FREE_MODES:
+            raise ValueError(f"training.pad_free={self.pad_free!r} must be one of {', '.join(PAD_FREE_MODES)}")
         if self.offload_master_weights and not self.optimizer_offload:
             raise ValueError("training.offload_master_weights=true needs training.optimizer_offload=true")
 

@@ -23,24 +23,31 @@ lays out each segment's M-RoPE positions and image rows).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 
 from parallel.packing import PaddedBatch
 from realflow.api.model_options import PAD_FREE_MODES
 
-__all__ = ["PackedSeqs", "pack_micro_batch", "pad_free_batches", "resolve_pad_free", "PAD_FREE_MODES"]
+__all__ = ["packed_seqs_type", "pack_micro_batch", "pad_free_batches", "resolve_pad_free", "PAD_FREE_MODES"]
 
 
-@dataclass
-class PackedSeqs(PackedSeqParams):
-    """megatron's THD parameters plus the segment lengths as Python ints (read once per layer by
-    the core attention: no device -> host sync per layer on a GPU)."""
+@functools.lru_cache(maxsize=None)
+def packed_seqs_type() -> type:
+    """``PackedSeqs``: megatron's THD parameters plus the segment lengths as Python ints (read once
+    per layer by the core attention: no device -> host sync per layer on a GPU). Defined on first
+    use: importing megatron costs seconds, and the modules that import this one (the engine, the
+    experiments' registrations) must stay cheap to import for the command line."""
+    from megatron.core.packed_seq_params import PackedSeqParams
 
-    segments: tuple[int, ...] = field(default=())
+    @dataclass
+    class PackedSeqs(PackedSeqParams):
+        segments: tuple[int, ...] = field(default=())
+
+    return PackedSeqs
 
 
 def pack_micro_batch(input_ids: torch.Tensor, seqlens: list[int], total: int) -> PaddedBatch:
@@ -63,8 +70,8 @@ def pack_micro_batch(input_ids: torch.Tensor, seqlens: list[int], total: int) ->
     valid[0, :real] = True
     cu = cu.to(dev)
     longest = max(segs)
-    params = PackedSeqs(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                        max_seqlen_kv=longest, segments=tuple(segs))
+    params = packed_seqs_type()(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                    max_seqlen_kv=longest, segments=tuple(segs))
     return PaddedBatch(ids, pos, valid, packed=params)
 
 

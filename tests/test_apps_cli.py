@@ -150,3 +150,12 @@ def test_workers_read_the_saved_config(tmp_path):
     back, setup = build_setup("async-grpo-math", [f"--config={path}"])
     assert config_to_dict(back) == config_to_dict(cfg)
     assert setup.run_dir == cfg.setup().run_dir
+
+
+def test_loading_the_experiments_imports_no_megatron():
+    """The command line loads the built-in plugins for every error it prints; megatron costs seconds
+    to import (and warns on stderr), so it must wait until a model is built."""
+    code = ("import sys, experiments; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('megatron', 'transformer_engine')); print(bad[:3]); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]

@@ -50,7 +50,7 @@ setup(
         "ray": ["ray>=2.60,<3"],  # launcher=ray (realflow/scheduler/ray.py); tested with 2.60.0
         "agents": ["openai>=2"],  # the official client, for agents behind the OpenAI-compatible proxy
         "wandb": ["wandb>=0.17"],  # wandb.mode=online|offline: stats also go to Weights & Biases
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6", "ray>=2.60,<3", "openai>=2", "wandb>=0.17",
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "hypothesis>=6", "ray>=2.60,<3", "openai>=2", "wandb>=0.17",
                  "datasets>=3", "peft>=0.17"],  # datasets: tests write saved `datasets` directories; peft:
         # LoRA is tested against PEFT's (realflow reads and writes its adapter format without it)
     },

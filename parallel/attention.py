@@ -25,8 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
+from parallel.cpu_compat import import_megatron_core
+
+import_megatron_core()  # before megatron's own imports: the fast path on CPU hosts
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
 __all__ = ["SDPACoreAttention"]
 

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["apply_cpu_compat", "cpu_compat_applied"]
+__all__ = ["apply_cpu_compat", "cpu_compat_applied", "import_megatron_core"]
 
 _log = logging.getLogger(__name__)
 
@@ -354,6 +354,46 @@ def _patch_split_sizes_to_host() -> None:
     dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
+def import_megatron_core() -> None:
+    """Import megatron-core, on a CPU host without its compile-time fusers (~2 s, not ~6 s).
+
+    ``megatron.core.jit`` decorates its fused kernels with ``torch.compile`` when the package
+    is imported, which imports TorchDynamo and Inductor (sympy, networkx, ...: ~3.5 s of CPU
+    per process), and its dynamic inference context imports ``wandb`` (~1 s). On CPU the
+    fused kernels never run (the ``*_fusion`` flags are False) and megatron's inference
+    context is not used, yet every model worker, generation server and test rank paid both.
+    Here, only while ``megatron.core`` is first imported on a host without CUDA:
+    ``torch.compile`` returns the function unchanged (megatron's ``disable_jit_fuser()``
+    then makes that its setting) and ``wandb`` reads as not installed to megatron (an
+    ``import wandb`` afterwards, by realflow's own W&B logging, loads it as usual). A GPU
+    host imports stock megatron. Idempotent; the first megatron import of a process must
+    come through here (or through :func:`apply_cpu_compat`) to get the fast path.
+    """
+    import sys
+
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        import megatron.core  # noqa: F401  (already imported, or stock on a GPU host)
+        return
+    real_compile = torch.compile
+
+    def _uncompiled(model: Any = None, **_options: Any) -> Any:
+        return model if model is not None else (lambda fn: fn)
+
+    hide_wandb = "wandb" not in sys.modules
+    torch.compile = _uncompiled
+    if hide_wandb:
+        sys.modules["wandb"] = None  # type: ignore[assignment]  (import raises ImportError)
+    try:
+        import megatron.core
+        from megatron.core import jit
+
+        jit.disable_jit_fuser()
+    finally:
+        torch.compile = real_compile
+        if hide_wandb:
+            sys.modules.pop("wandb", None)
+
+
 def apply_cpu_compat() -> None:
     """Patch megatron-core for CPU when CUDA is unavailable; no-op otherwise.
 
@@ -363,6 +403,7 @@ def apply_cpu_compat() -> None:
     global _applied
     if _applied or torch.cuda.is_available():
         return
+    import_megatron_core()
     stand_in = _CpuTorch()
     for module_name in _DEVICE_MODULES:
         importlib.import_module(module_name).torch = stand_in

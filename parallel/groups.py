@@ -199,6 +199,9 @@ def build_model_groups(
     pp_rank, rest = divmod(idx, dp * tp)
     dp_rank, tp_rank = divmod(rest, tp)
 
+    from parallel.cpu_compat import import_megatron_core
+
+    import_megatron_core()  # a worker's first megatron import: the fast one on CPU
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     # Field meanings follow megatron's parallel_state with cp = 1 and a single

@@ -29,6 +29,9 @@ __all__ = ["ensure_megatron_globals", "seed_megatron_rng", "world_collectives_on
 
 def ensure_megatron_globals() -> None:
     """Create megatron's group-independent singletons if missing (idempotent)."""
+    from parallel.cpu_compat import import_megatron_core
+
+    import_megatron_core()
     from megatron.core import parallel_state
 
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:

@@ -109,16 +109,27 @@ SMALL_SFT_START = ["dataset.n_train=3000", "dataset.n_test=64", "model.arch.hidd
 
 
 @pytest.fixture(scope="session")
-def small_sft_start(tmp_path_factory):
+def small_sft_start(tmp_path_factory, worker_id):
     """A file root holding ``SMALL_SFT_START``'s run (``sft/trial0``) and its data: trained once
-    per session (~40 s); a test module copies it with :func:`copy_sft_start` into its own root."""
+    per session (~40 s), also when pytest-xdist runs the tests in several processes (the first
+    to ask trains it under a file lock, the others wait for it); a test module copies it with
+    :func:`copy_sft_start` into its own root."""
     import sys
 
-    root = tmp_path_factory.mktemp("sft_start")
-    cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={root}", *SMALL_SFT_START]
-    res = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         capture_output=True, text=True, timeout=400)
-    assert res.returncode == 0, res.stderr[-3000:]
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # xdist: the workers' temp dirs share this parent
+        shared = shared.parent
+    root, done = shared / "sft_start", shared / "sft_start.done"
+    with FileLock(str(shared / "sft_start.lock"), timeout=600):
+        if not done.exists():
+            shutil.rmtree(root, ignore_errors=True)
+            cmd = [sys.executable, "-m", "realflow.apps.main_sft", f"fileroot={root}", *SMALL_SFT_START]
+            res = subprocess.run(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                 capture_output=True, text=True, timeout=400)
+            assert res.returncode == 0, res.stderr[-3000:]
+            done.touch()
     return root
 
 
@@ -142,3 +153,46 @@ def left_behind(fileroot) -> list[str]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return out
+
+
+# --------------------------------------------------------------------------- parallel runs
+# The README's test command runs the tests in two pytest-xdist processes, one test file per
+# unit of work (its module fixtures, such as a trained start, are made once). Two exceptions:
+
+#: Files that watch something machine-wide, run in one process one after the other: the
+#: sandbox tests count every live process of the sandbox's uids (another file's sandboxed code
+#: would look like a survivor).
+SHARED_SCOPES = {name: "sandbox" for name in (
+    "test_sandbox.py", "test_code_reward.py", "test_code_rl.py", "test_data_code_expr.py",
+    "test_experiment_tasks.py")}
+
+#: The files that take minutes (measured in CI), started first so that both processes finish
+#: together instead of one running the VL start alone at the end.
+SLOW_FILES_FIRST = (
+    "test_system_vl.py", "test_system_recovery.py", "test_agent_examples.py", "test_code_rl.py",
+    "test_algorithm_presets.py", "test_system_async_ppo.py", "test_nonfinite_run.py",
+    "test_example_rft.py", "test_parallel_realloc.py", "test_parallel_layouts.py", "test_system_moe.py",
+    "test_system_ppo.py", "test_system_lora.py", "test_scheduler_slurm.py", "test_example_dpo.py")
+
+
+def _file_of(nodeid: str) -> str:
+    return os.path.basename(nodeid.split("::", 1)[0])
+
+
+def pytest_collection_modifyitems(session, config, items):
+    first = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: first.get(_file_of(item.nodeid), len(first)))  # stable: file order kept
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        """One test file per unit of work (SHARED_SCOPES: several), in collection order."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return SHARED_SCOPES.get(_file_of(nodeid), nodeid.split("::", 1)[0])
+
+    config.option.loadscopereorder = False  # keep SLOW_FILES_FIRST's order
+    return FileScheduling(config, log)

@@ -316,3 +316,30 @@ def results():
 @pytest.mark.parametrize("case", CASES)
 def test_megatron_feature_on_cpu(results, case):
     assert results[case].ok, results[case].error
+
+
+# --------------------------------------------------------------------------- import
+
+
+def test_megatron_is_imported_without_the_compile_stack_and_wandb_stays_importable():
+    """A CPU process imports megatron-core without TorchDynamo/Inductor (~3.5 s per process),
+    megatron's fusers are off, ``torch.compile`` is the real one again, and ``import wandb``
+    afterwards (realflow's own W&B logging) loads the real package."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "real = torch.compile\n"
+        "from parallel.cpu_compat import import_megatron_core\n"
+        "import_megatron_core(); import_megatron_core()\n"
+        "import megatron.core.models.gpt.gpt_model, megatron.core.optimizer, megatron.core.distributed\n"
+        "from megatron.core import jit\n"
+        "assert 'torch._dynamo' not in sys.modules and 'torch._inductor' not in sys.modules\n"
+        "assert jit.jit_fuser(len) is len, jit.jit_fuser\n"
+        "assert torch.compile is real\n"
+        "import wandb\n"
+        "assert wandb is not None and hasattr(wandb, 'init'), wandb\n"
+        "print('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-2000:]

@@ -92,10 +92,15 @@ def test_async_grpo_sends_images_to_the_server_and_learns(fileroot):
     steps = 12
     res = _run("realflow.apps.main_async_ppo", fileroot, "dataset.task=shapes_count", "ppo.max_new_tokens=8",
                "dataset.n_train=1000", "dataset.n_test=32", "eval_n_samples=2", f"max_train_steps={steps}",
-               "batch_size=16", "actor_optimizer.lr=1e-4", "seed=1", "trial_name=async")
+               "batch_size=16", "actor_optimizer.lr=3e-4", "seed=2", "trial_name=async")
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = [r for r in _stats(fileroot / "async-grpo-math" / "async") if "actor_train/reward" in r]
+    stats = _stats(fileroot / "async-grpo-math" / "async")
+    rows = [r for r in stats if "actor_train/reward" in r]
+    # measured on one start, seeds 1/2/3: reward +0.08/+0.18/+0.13, held-out sampled accuracy
+    # +0.13/+0.25/+0.42 (lr 1e-4 moved the reward by only ~0.03 in 12 steps: too close to noise)
     _learned(rows, steps, 0.05)
+    evals = [r["eval/sampled_accuracy"] for r in stats if "eval/sampled_accuracy" in r]
+    assert evals[-1] > evals[0] + 0.05, evals
     # the server processed the images itself (image_data) and the trainer the data set's copy:
     # the same pixels, so the first step's behaviour and proximal log-probs agree
     assert abs(rows[0]["actor_train/behav_imp_weight"] - 1.0) < 1e-4, rows[0]["actor_train/behav_imp_weight"]

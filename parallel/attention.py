@@ -81,9 +81,32 @@ class SDPACoreAttention(MegatronModule):
         t, nq, hn = query.shape
         if sum(segs) != t:
             raise ValueError(f"SDPACoreAttention: cu_seqlens cover {sum(segs)} tokens, q has {t}")
-        parts = [self._sbhd(q[:, None], k[:, None], v[:, None], None, attn_mask_type)
-                 for q, k, v in zip(query.split(segs), key.split(segs), value.split(segs))]
+        trees = tuple(getattr(params, "trees", ()) or ())
+        parts = [self._shared(q, k, v, trees[i], attn_mask_type) if i < len(trees) and trees[i] else
+                 self._sbhd(q[:, None], k[:, None], v[:, None], None, attn_mask_type)
+                 for i, (q, k, v) in enumerate(zip(query.split(segs), key.split(segs), value.split(segs)))]
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, nq * hn)
+
+    def _shared(self, query: Tensor, key: Tensor, value: Tensor, tree: tuple[int, ...],
+                attn_mask_type: Optional[AttnMaskType]) -> Tensor:
+        """One shared-prefix segment ``[P | R_1 | ... | R_n]`` (:mod:`parallel.shared_prefix`): P
+        causal within itself; each R_i attends to all of P and causally to itself (P's keys and
+        values are computed once and read by every branch)."""
+        from parallel.shared_prefix import tree_mask
+
+        p, *rest = tree
+        parts = []
+        if p:
+            parts.append(self._sbhd(query[:p, None], key[:p, None], value[:p, None], None, attn_mask_type))
+        at = p
+        for r, masked in zip(rest, tree_mask(tree, query.device)):
+            if r == 0:
+                continue
+            k = torch.cat([key[:p], key[at:at + r]])[:, None]
+            v = torch.cat([value[:p], value[at:at + r]])[:, None]
+            parts.append(self._sbhd(query[at:at + r, None], k, v, masked[None, None], attn_mask_type))
+            at += r
+        return torch.cat(parts)
 
     def _sbhd(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
               attn_mask_type: Optional[AttnMaskType]) -> Tensor:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,7 @@ from parallel.nonfinite import (
 )
 from parallel.optim import EngineOptimizerConfig, build_optimizer
 from parallel.packed_batch import resolve_pad_free
+from parallel.shared_prefix import resolve_shared_prefix
 from parallel.optim_offload import OptimizerOffload
 from parallel.outputs import TokenOutputs
 from parallel.pipeline import (
@@ -169,8 +170,21 @@ class MegatronEngine(EngineHFMixin):
         # training.pad_free: concatenated micro-batches where the model supports them (packed_batch.py)
         self.pad_free = resolve_pad_free(self.training.pad_free, self.module, moe=self.moe_step,
                                          vision=self.vision_step)
-        self._runner = ScheduleRunner(groups, self.config, self.moe_step, self.vision_step, pad_free=self.pad_free)
+        # training.shared_prefix: a sample group's common prompt once per micro-batch (shared_prefix.py)
+        self.shared_prefix = resolve_shared_prefix(self.training.shared_prefix, pad_free=self.pad_free,
+                                                   module=self.module, moe=self.moe_step, vision=self.vision_step)
+        self._runner = ScheduleRunner(groups, self.config, self.moe_step, self.vision_step, pad_free=self.pad_free,
+                                      shared_prefix=self.shared_prefix)
         self._generator: Optional[Any] = None  # parallel.generation.GenerationEngine, built by generator()
+
+    @contextlib.contextmanager
+    def without_shared_prefix(self) -> Iterator[None]:
+        """Every sequence in rows of its own inside (a probe that reads each sample's rows whole)."""
+        mode, self._runner.shared_prefix = self._runner.shared_prefix, "off"
+        try:
+            yield
+        finally:
+            self._runner.shared_prefix = mode
 
     # ------------------------------------------------------------------ setup
 

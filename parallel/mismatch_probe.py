@@ -24,6 +24,7 @@ are of ``log_softmax(logits / temperature)``.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -204,9 +205,12 @@ def replay_trainer(engine: Any, seqs: Sequence[Sequence[int]], prompt_lens: Sequ
     packed = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
     lens = [len(s) for s in seqs]
     handles = _hooks(engine, seqs, prompt_lens, _Capture(n)) if probe else None
+    # the probe reads each sample's rows whole: a shared-prefix row (training.shared_prefix)
+    # keeps them apart here (the log-probs are the same either way)
     try:
         kw = {} if routes is None else {"routed_experts": torch.cat(list(routes))}
-        lp = engine.logprobs(packed, lens, max_tokens_per_mb, temperature=temperature, **kw)
+        with engine.without_shared_prefix() if probe else contextlib.nullcontext():
+            lp = engine.logprobs(packed, lens, max_tokens_per_mb, temperature=temperature, **kw)
     finally:
         cap = None
         if handles is not None:

@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 from parallel.packing import PaddedBatch
+from parallel.shared_prefix import SharedPlan, shared_row
 from realflow.api.model_options import PAD_FREE_MODES
 
 __all__ = ["packed_seqs_type", "pack_micro_batch", "pad_free_batches", "resolve_pad_free", "PAD_FREE_MODES"]
@@ -46,14 +47,26 @@ def packed_seqs_type() -> type:
     @dataclass
     class PackedSeqs(PackedSeqParams):
         segments: tuple[int, ...] = field(default=())
+        # per segment: () or, for a shared-prefix segment, (p, r_1, ..., r_n) (parallel/shared_prefix.py)
+        trees: tuple[tuple[int, ...], ...] = field(default=())
+        # [row tokens] explicit positions when a segment's do not restart at 0 per segment
+        positions: Optional[torch.Tensor] = None
 
     return PackedSeqs
 
 
-def pack_micro_batch(input_ids: torch.Tensor, seqlens: list[int], total: int) -> PaddedBatch:
+def pack_micro_batch(input_ids: torch.Tensor, seqlens: list[int], total: int,
+                     shared: Optional[SharedPlan] = None) -> PaddedBatch:
     """``[T]`` packed tokens -> a ``[1, total]`` row: the sequences back to back, then a filler
     segment of ``total - T`` tokens (none when equal). ``valid`` is False on the filler only;
-    positions restart at 0 at each segment start."""
+    positions restart at 0 at each segment start.
+
+    ``shared`` (:mod:`parallel.shared_prefix`): the plan's groups become one segment each, their
+    prefix once; the batch's ``expand`` maps the micro-batch's tokens to the row."""
+    expand, trees, positions = None, (), None
+    if shared is not None and shared.shares:
+        input_ids, positions, seqlens, rows = shared_row(input_ids, shared)
+        expand, trees = rows.expand.to(input_ids.device), rows.trees
     real = int(sum(seqlens))
     if total < real:
         raise ValueError(f"pack_micro_batch: total={total} < {real} tokens in the micro-batch")
@@ -65,14 +78,19 @@ def pack_micro_batch(input_ids: torch.Tensor, seqlens: list[int], total: int) ->
     cu = torch.zeros(len(segs) + 1, dtype=torch.int32)
     cu[1:] = lens.cumsum(0)
     # built on the host, moved once: position = index - its segment's start
-    pos = (torch.arange(total) - torch.repeat_interleave(cu[:-1].long(), lens.long()))[None].to(dev)
+    pos = (torch.arange(total) - torch.repeat_interleave(cu[:-1].long(), lens.long()))[None]
+    if positions is not None:
+        pos[0, :real] = positions
+        trees = tuple(trees) + (((),) if total > real else ())
+    pos = pos.to(dev)
     valid = torch.zeros(1, total, dtype=torch.bool, device=dev)
     valid[0, :real] = True
     cu = cu.to(dev)
     longest = max(segs)
     params = packed_seqs_type()(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-                                    max_seqlen_kv=longest, segments=tuple(segs))
-    return PaddedBatch(ids, pos, valid, packed=params)
+                                    max_seqlen_kv=longest, segments=tuple(segs), trees=trees,
+                                    positions=None if positions is None else pos[0])
+    return PaddedBatch(ids, pos, valid, packed=params, expand=expand)
 
 
 def pad_free_batches(token_counts: list[int], multiple: int, common: bool) -> tuple[list[int], int]:

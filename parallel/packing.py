@@ -23,6 +23,8 @@ class PaddedBatch:
     position_ids: torch.Tensor  # [B, S] int64, 0..len-1 then 0 on pads
     valid: torch.Tensor  # [B, S] bool, True on real tokens
     packed: Optional[Any] = None  # pad-free rows ([1, T]): megatron's PackedSeqParams (parallel/packed_batch.py)
+    # a shared-prefix row (parallel/shared_prefix.py): [micro-batch tokens] -> the row position each reads
+    expand: Optional[torch.Tensor] = None
 
 
 def check_packed(input_ids: torch.Tensor, seqlens: list[int], what: str = "input_ids") -> None:

@@ -29,6 +29,8 @@ import torch.distributed as dist
 
 from parallel.groups import ModelGroups
 from parallel.packed_batch import pack_micro_batch, pad_free_batches
+from parallel.rotary import explicit_rotary_positions
+from parallel.shared_prefix import MIN_SHARED_PREFIX, plan_shared
 from parallel.packing import PaddedBatch, check_packed, pad_packed, split_by_token_budget
 
 __all__ = ["MicroBatch", "split_packed", "next_token_targets", "ScheduleRunner",
@@ -95,13 +97,18 @@ class ScheduleRunner:
     """Runs micro-batches through megatron's schedule for one model's groups."""
 
     def __init__(self, groups: ModelGroups, config: Any, moe: Optional[Any] = None,
-                 vision: Optional[Any] = None, pad_free: bool = False) -> None:
+                 vision: Optional[Any] = None, pad_free: bool = False, shared_prefix: str = "off") -> None:
         """``moe``: the model's :class:`parallel.moe_step.MoEStep` (routing inputs in, aux loss and
         statistics out, around each micro-batch's forward); None for a dense model. ``vision``: a
         VL model's :class:`parallel.vision_step.VisionStep` (M-RoPE positions, image features).
         ``pad_free``: run micro-batches as concatenated rows (module docstring; the caller checked
-        the model supports it, :func:`parallel.packed_batch.resolve_pad_free`)."""
+        the model supports it, :func:`parallel.packed_batch.resolve_pad_free`). ``shared_prefix``:
+        ``off``, ``auto`` (pad-free rows share the common prefixes of consecutive sequences,
+        :mod:`parallel.shared_prefix`) or ``on`` (the same; a batch with nothing to share is an
+        error)."""
         self.pad_free = bool(pad_free)
+        self.shared_prefix = shared_prefix if self.pad_free else "off"
+        self._ropes: Optional[Any] = None
         self.computed_tokens = 0  # token rows the last run() computed (real + padding), this replica
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -136,9 +143,17 @@ class ScheduleRunner:
 
     def _pack(self, mbs: list[MicroBatch], device: torch.device) -> tuple[list[PaddedBatch], int, int]:
         multiple = self.groups.strategy.tp if self.config.sequence_parallel else 1
-        totals, seq = pad_free_batches([sum(mb.seqlens) for mb in mbs], multiple,
-                                       common=self.groups.strategy.pp > 1)
-        return [pack_micro_batch(mb.input_ids.to(device), mb.seqlens, n) for mb, n in zip(mbs, totals)], seq, 1
+        plans = [None] * len(mbs)
+        if self.shared_prefix != "off":
+            plans = [plan_shared(mb.input_ids, mb.seqlens) for mb in mbs]
+            if self.shared_prefix == "on" and not any(p.shares for p in plans):
+                raise ValueError(f"training.shared_prefix=on, but no two consecutive sequences of this batch "
+                                 f"share their first {MIN_SHARED_PREFIX} tokens (no sample groups): use "
+                                 f"training.shared_prefix=auto or off")
+        counts = [p.computed if p is not None else sum(mb.seqlens) for p, mb in zip(plans, mbs)]
+        totals, seq = pad_free_batches(counts, multiple, common=self.groups.strategy.pp > 1)
+        return [pack_micro_batch(mb.input_ids.to(device), mb.seqlens, n, p)
+                for mb, n, p in zip(mbs, totals, plans)], seq, 1
 
     def run(self, model: torch.nn.Module, mbs: list[MicroBatch], on_output: OutputCallback,
             forward_only: bool, device: torch.device,
@@ -163,11 +178,13 @@ class ScheduleRunner:
             if self.vision is not None:
                 out = self.vision.forward(model_, pb, mb.images)
             else:
-                # causal mask built by megatron (pad-free: per sequence, from packed_seq_params)
-                out = model_(pb.input_ids, pb.position_ids, None, packed_seq_params=pb.packed)
+                # causal mask built by megatron (pad-free: per sequence, from packed_seq_params);
+                # a shared-prefix row rotates by its own positions (parallel/rotary.py)
+                with explicit_rotary_positions(model_, getattr(pb.packed, "positions", None)):
+                    out = model_(pb.input_ids, pb.position_ids, None, packed_seq_params=pb.packed)
             if moe is not None:
                 out = moe.after(out, training=not forward_only)
-            return out, partial(self._call, on_output, mb, pb.valid)
+            return out, partial(self._call, on_output, mb, pb)
 
         kw: dict[str, Any] = {}
         if self._p2p is not None:
@@ -186,6 +203,12 @@ class ScheduleRunner:
         )
 
     @staticmethod
-    def _call(on_output: OutputCallback, mb: MicroBatch, valid: torch.Tensor,
+    def _call(on_output: OutputCallback, mb: MicroBatch, pb: PaddedBatch,
               output: torch.Tensor, non_loss_data: bool = False) -> Any:
-        return on_output(mb, valid, output)
+        if pb.expand is None:
+            return on_output(mb, pb.valid, output)
+        # a shared-prefix row back in the micro-batch's own token order: sample i's prefix
+        # tokens read the prefix's rows (whose gradients the gather's backward sums)
+        expand = pb.expand.to(output.device)
+        return on_output(mb, torch.ones(1, expand.numel(), dtype=torch.bool, device=output.device),
+                         output[:, expand])

@@ -60,6 +60,33 @@ def test_grpo_raises_reward_with_reallocation_every_step(fileroot):
     last = sum(r["actor_train/reward"] for r in rows[-5:]) / 5
     assert last > first + 0.2, (first, last)
     assert "held-out sampled_accuracy:" in res.stdout
+    # training.shared_prefix=auto (the default): each group's prompt computed once
+    assert all(r["actor_train/n_computed_tokens"] < 0.8 * r["actor_train/n_tokens"] for r in rows), rows[0]
+
+
+@pytest.mark.timeout(600)
+def test_grpo_with_shared_prompts_ends_with_the_parameters_of_recomputed_prompts(fileroot):
+    """``training.shared_prefix=auto`` vs ``off``, same seed, fp32: the same samples, rewards and
+    final parameters (the same loss and gradients, summed over a group instead of recomputed),
+    with about half the training tokens computed on the default task."""
+    from safetensors.torch import load_file
+
+    params, rows = {}, {}
+    for mode in ("auto", "off"):
+        res = _run(["realflow.apps.main_sync_ppo"], fileroot, "max_train_steps=3", "batch_size=16",
+                   "ppo.n_samples=8", "dataset.n_test=8", "seed=5", f"training.shared_prefix={mode}",
+                   f"trial_name=shared_{mode}")
+        assert res.returncode == 0, res.stderr[-3000:]
+        run = fileroot / "grpo-math" / f"shared_{mode}"
+        rows[mode] = [r for r in _stats(run) if "actor_train/reward" in r]
+        params[mode] = load_file(str(run / "checkpoints" / "actor" / "final" / "model.safetensors"))
+    assert [r["actor_train/reward"] for r in rows["auto"]] == [r["actor_train/reward"] for r in rows["off"]]
+    scale = max(p.abs().max().item() for p in params["off"].values())
+    err = max((params["auto"][k] - p).abs().max().item() for k, p in params["off"].items()) / scale
+    assert err <= 1e-5, err
+    for a, o in zip(rows["auto"], rows["off"]):
+        assert a["actor_train/n_tokens"] == o["actor_train/n_tokens"] == o["actor_train/n_computed_tokens"]
+        assert a["actor_train/n_computed_tokens"] < 0.7 * a["actor_train/n_tokens"], a
 
 
 @pytest.mark.timeout(600)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 __all__ = ["LoRAConfig", "TrainingMemoryConfig", "MoEConfig", "LORA_TARGETS", "LORA_INITS", "RECOMPUTE_MODES",
-           "PAD_FREE_MODES", "ROUTING_REPLAY_MODES"]
+           "PAD_FREE_MODES", "SHARED_PREFIX_MODES", "ROUTING_REPLAY_MODES"]
 
 #: HF module names LoRA may target (Qwen2/Qwen3/Llama), each a part of one fused megatron linear
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -19,6 +19,8 @@ LORA_INITS = ("default", "gaussian")
 RECOMPUTE_MODES = ("none", "full", "selective")
 #: ``training.pad_free``: concatenated (THD) micro-batches where supported / required / never
 PAD_FREE_MODES = ("auto", "on", "off")
+#: ``training.shared_prefix``: a sample group's common prompt computed once where it saves work / required / never
+SHARED_PREFIX_MODES = ("auto", "on", "off")
 #: auto: ``rollout`` for an MoE model in an RL experiment, ``off`` otherwise
 ROUTING_REPLAY_MODES = ("auto", "off", "rollout")
 
@@ -94,6 +96,11 @@ class TrainingMemoryConfig:
                 "rotary positions per sequence) in log-probs, values and train steps: auto (pad-free where "
                 "supported: models built with the sdpa attention, dense, MoE or vision-language; padded with "
                 "megatron's attention or TransformerEngine) | on (error where unsupported) | off (right-padded [B, S])"})
+    shared_prefix: str = field(default="auto", metadata={
+        "help": "compute the common prefix of consecutive sequences (a GRPO group's prompt, an agent's "
+                "earlier turns) once per micro-batch, every sample attending to it: the same loss and "
+                "gradients with fewer tokens. auto (pad-free dense language models, prefixes of 4+ "
+                "tokens) | on (error where unsupported or when a batch shares nothing) | off"})
 
     def __post_init__(self) -> None:
         if self.gradient_checkpointing not in RECOMPUTE_MODES:
@@ -101,6 +108,9 @@ class TrainingMemoryConfig:
                              f"{', '.join(RECOMPUTE_MODES)}")
         if self.pad_free not in PAD_FREE_MODES:
             raise ValueError(f"training.pad_free={self.pad_free!r} must be one of {', '.join(PAD_FREE_MODES)}")
+        if self.shared_prefix not in SHARED_PREFIX_MODES:
+            raise ValueError(f"training.shared_prefix={self.shared_prefix!r} must be one of "
+                             f"{', '.join(SHARED_PREFIX_MODES)}")
         if self.offload_master_weights and not self.optimizer_offload:
             raise ValueError("training.offload_master_weights=true needs training.optimizer_offload=true")
 

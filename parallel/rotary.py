@@ -1,0 +1,71 @@
+"""Rotary embeddings at explicit positions, for rows whose positions do not restart per segment.
+
+megatron's GPT computes its RoPE frequencies from a length alone (``0..S-1``) and, on a pad-free
+THD row, restarts them at each ``cu_seqlens`` segment. A shared-prefix segment
+(:mod:`parallel.shared_prefix`) needs more: every sample's response continues at the prefix's
+length, so the row's positions go ``0..p-1, p.., p.., ...``. This subclass returns one
+frequency row per token at those positions when the schedule has set them (megatron's THD rotary
+then maps token ``t`` to row ``t``, its "exact mapping with offsets" case), and the stock
+frequencies otherwise. It holds no parameters or buffers of its own: checkpoints are unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+__all__ = ["explicit_rotary_positions", "use_positioned_rotary"]
+
+
+def _positioned_class() -> type:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    class PositionedRotaryEmbedding(RotaryEmbedding):
+        positions: Optional[torch.Tensor] = None  # [row tokens], set around one forward
+
+        def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                    cp_group: Any = None) -> torch.Tensor:
+            pos = self.positions
+            if pos is None:
+                return super().forward(max_seq_len, offset, packed_seq, cp_group)
+            full = super().forward(int(pos.max()) + 1, offset, packed_seq, cp_group)
+            return full[pos.to(full.device)]
+
+    return PositionedRotaryEmbedding
+
+
+_CLASS: Optional[type] = None
+
+
+def use_positioned_rotary(model: torch.nn.Module) -> bool:
+    """Give a GPT model's plain RoPE the explicit-positions path (in place; False when the model
+    has another kind of position embedding, which then cannot take shared-prefix rows)."""
+    global _CLASS
+    rope = getattr(model, "rotary_pos_emb", None)
+    if rope is None:  # a pipeline stage without decoder layers does not rotate
+        return True
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    if _CLASS is None:
+        _CLASS = _positioned_class()
+    if type(rope) is RotaryEmbedding:
+        rope.__class__ = _CLASS  # a subclass with no state of its own: the same module otherwise
+    return isinstance(rope, _CLASS)
+
+
+@contextlib.contextmanager
+def explicit_rotary_positions(model: torch.nn.Module, positions: Optional[torch.Tensor]) -> Iterator[None]:
+    """Rotate by ``positions`` during the forward inside (megatron computes the frequencies once
+    per forward, before the layers: recompute in the backward reuses them)."""
+    ropes = [] if positions is None or _CLASS is None else [m for m in model.modules() if isinstance(m, _CLASS)]
+    if not ropes:
+        yield
+        return
+    for r in ropes:
+        r.positions = positions
+    try:
+        yield
+    finally:
+        for r in ropes:
+            r.positions = None

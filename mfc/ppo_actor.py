@@ -163,7 +163,7 @@ class PPOActorInterface(ModelInterface):
         out = {k: v / n_updates for k, v in totals.items() if k in ("loss", "grad_norm", "lr")}
         out["nonfinite_skipped"] = totals.get("nonfinite_skipped", 0.0)  # updates not applied (on_nonfinite=skip)
         # tokens the updates trained on and the ones they computed (real + padding: training.pad_free)
-        out.update({k: totals[k] for k in ("n_tokens", "n_computed_tokens") if k in totals})
+        out.update({k: totals[k] for k in WORK_KEYS if k in totals})
         n_tok = max(totals.get("n_loss_tokens", 0.0), 1.0)
         for k, name in (("clipped_tokens", "clip_frac"), ("approx_kl_sum", "approx_kl"),
                         ("entropy_sum", "entropy"), ("ratio_sum", "ratio")):

@@ -56,7 +56,7 @@ class PPOCriticInterface(ModelInterface):
         self._step += 1
         out = {k: totals[k] / n for k in ("loss", "grad_norm", "lr") if k in totals}
         out["nonfinite_skipped"] = totals.get("nonfinite_skipped", 0.0)
-        out.update({k: totals[k] for k in ("n_tokens", "n_computed_tokens") if k in totals})  # (padding: the gap)
+        out.update({k: totals[k] for k in WORK_KEYS if k in totals})  # (padding: the gap)
         n_tok = max(totals.get("n_loss_tokens", 0.0), 1.0)
         for k, v in totals.items():
             if k.endswith("_sum"):

@@ -28,6 +28,10 @@ from realflow.api.images import IMAGES_EXTRA
 from realflow.api.keys import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REF_LOGPROBS, REWARDS,  # noqa: F401
                                ROUTED_EXPERTS, VALUES)
 
+#: what the engine reports of a train step's work, logged as is: tokens and FLOPs, useful and
+#: computed (padding, fillers, shared prefixes: parallel/flops.py)
+WORK_KEYS = ("n_tokens", "n_computed_tokens", "flops_useful", "flops_computed")
+
 
 def overlong_punishment(resp_lens: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
     """DAPO's soft overlong punishment per sequence: 0 up to ``max_new_tokens - buffer`` tokens,

@@ -63,6 +63,7 @@ from parallel.nonfinite import (
     params_finite,
 )
 from parallel.optim import EngineOptimizerConfig, build_optimizer
+from parallel.flops import TokenFlops, causal_pairs
 from parallel.packed_batch import resolve_pad_free
 from parallel.shared_prefix import resolve_shared_prefix
 from parallel.optim_offload import OptimizerOffload
@@ -87,8 +88,8 @@ from realflow.base.devices import to_device, to_host
 
 __all__ = ["MegatronEngine", "EngineOptimizerConfig", "TokenOutputs", "LossFn"]
 
-_RESERVED = ("loss", "grad_norm", "lr", "n_tokens", "n_computed_tokens", "loss_weight", "n_mbs", "update_successful",
-             "nonfinite_skipped")
+_RESERVED = ("loss", "grad_norm", "lr", "n_tokens", "n_computed_tokens", "flops_useful", "flops_computed",
+             "loss_weight", "n_mbs", "update_successful", "nonfinite_skipped")
 
 
 def _load_hf_config(hf_config: Any) -> Any:
@@ -173,6 +174,7 @@ class MegatronEngine(EngineHFMixin):
         # training.shared_prefix: a sample group's common prompt once per micro-batch (shared_prefix.py)
         self.shared_prefix = resolve_shared_prefix(self.training.shared_prefix, pad_free=self.pad_free,
                                                    module=self.module, moe=self.moe_step, vision=self.vision_step)
+        self._flops = TokenFlops.from_hf(self.hf_config)  # the step's FLOPs, useful and computed (flops.py)
         self._runner = ScheduleRunner(groups, self.config, self.moe_step, self.vision_step, pad_free=self.pad_free,
                                       shared_prefix=self.shared_prefix)
         self._generator: Optional[Any] = None  # parallel.generation.GenerationEngine, built by generator()
@@ -490,7 +492,8 @@ class MegatronEngine(EngineHFMixin):
         Returns, on every rank: ``loss`` (global weighted mean), ``grad_norm`` (before
         clipping), ``lr`` (used by this step), ``n_tokens``, ``n_computed_tokens`` (the token
         rows the layers ran: real + padding; ``n_tokens / n_computed_tokens`` is the real
-        fraction, 1 pad-free up to the sp / pp filler), ``loss_weight`` and
+        fraction, 1 pad-free up to the sp / pp filler; fewer with shared prefixes),
+        ``flops_useful`` / ``flops_computed`` (:mod:`parallel.flops`), ``loss_weight`` and
         ``n_mbs`` (all global over dp), ``update_successful`` and the caller's stats,
         each SUMMED over all micro-batches of all dp ranks (a stat named ``*_max``: the
         maximum).  ``loss_fn`` must return
@@ -565,7 +568,10 @@ class MegatronEngine(EngineHFMixin):
                 payload["sums"] = red
                 if not math.isfinite(red[0]):  # every last-stage rank knows: locate it (collective)
                     payload["bad"] = self._locate_nonfinite_loss(loss_sums, sample_ids)
-        n_computed = self.dp_sum([float(self._runner.computed_tokens)])[0]
+        useful_pairs = sum(causal_pairs(n) for mb in mbs for n in mb.seqlens)
+        n_computed, flops_useful, flops_computed = self.dp_sum([
+            float(self._runner.computed_tokens), self._flops.train(n_tokens_local, useful_pairs),
+            self._flops.train(self._runner.computed_tokens, self._runner.computed_pairs)])
         payload = share_from_last_stage(g, payload)
         if payload["error"]:  # before stepping: a bad loss_fn changes nothing
             raise ValueError(payload["error"])
@@ -574,7 +580,8 @@ class MegatronEngine(EngineHFMixin):
             ok, grad_norm = self._checked_step(payload.get("bad"))
         red = payload["sums"]
         out = {"loss": red[0] / total_w, "grad_norm": grad_norm, "lr": lr,
-               "n_tokens": n_tokens, "n_computed_tokens": n_computed, "loss_weight": total_w, "n_mbs": n_mbs,
+               "n_tokens": n_tokens, "n_computed_tokens": n_computed, "flops_useful": flops_useful,
+               "flops_computed": flops_computed, "loss_weight": total_w, "n_mbs": n_mbs,
                "update_successful": float(ok), "nonfinite_skipped": float(not ok)}
         out.update(zip(payload["keys"], red[1:]))
         if self.moe_step is not None:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.groups import ModelGroups
+from parallel.flops import causal_pairs, row_pairs
 from parallel.packed_batch import pack_micro_batch, pad_free_batches
 from parallel.rotary import explicit_rotary_positions
 from parallel.shared_prefix import MIN_SHARED_PREFIX, plan_shared
@@ -110,6 +111,7 @@ class ScheduleRunner:
         self.shared_prefix = shared_prefix if self.pad_free else "off"
         self._ropes: Optional[Any] = None
         self.computed_tokens = 0  # token rows the last run() computed (real + padding), this replica
+        self.computed_pairs = 0  # causal (query, key) pairs its attention computed (parallel/flops.py)
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.groups = groups
@@ -166,6 +168,9 @@ class ScheduleRunner:
         load-balancing loss is added with it; see :mod:`parallel.moe_step`)."""
         padded, seq, mbsz = (self._pack if self.pad_free else self._pad)(mbs, device)
         self.computed_tokens = sum(pb.input_ids.numel() for pb in padded)
+        self.computed_pairs = sum(
+            row_pairs(pb.packed.segments, pb.packed.trees) if pb.packed is not None
+            else pb.input_ids.shape[0] * causal_pairs(pb.input_ids.shape[1]) for pb in padded)
         items = iter(list(zip(mbs, padded)))
         moe = self.moe
         if moe is not None:

@@ -130,6 +130,8 @@ def _compare(res, critic):
         errs[k] = abs(sn[k] - so[k]) / abs(so[k])
     assert sn["n_tokens"] == so["n_tokens"]
     assert sn["n_computed_tokens"] < so["n_computed_tokens"], (sn, so)  # prompts not recomputed
+    assert sn["flops_useful"] == so["flops_useful"] and sn["flops_computed"] < so["flops_computed"] <= \
+        so["flops_useful"] * 1.1, (sn, so)  # (off: pad-free, only the p2 filler beyond useful)
     if on.get("grads") is not None:
         scale = max(g.abs().max().item() for g in off["grads"].values())
         errs["grads"] = max((on["grads"][n] - g).abs().max().item() for n, g in off["grads"].items()) / scale
@@ -216,3 +218,20 @@ def test_shared_prefix_option_checked():
     assert TrainingMemoryConfig().shared_prefix == "auto"
     with pytest.raises(ValueError, match="training.shared_prefix='yes' must be one of auto, on, off"):
         TrainingMemoryConfig(shared_prefix="yes")
+
+
+def test_flops_count_every_matmul_weight_and_causal_pair(tmp_path):
+    """Per token: 2 FLOPs per weight of every linear layer and the LM head of a real HF model;
+    attention pairs: causal per sequence, a shared segment's branches over the prefix and themselves."""
+    from parallel.flops import TokenFlops, causal_pairs, row_pairs
+
+    _, model = make_tiny_hf(str(tmp_path), "qwen2", seed=1, tie_word_embeddings=False)
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = model.config
+    flops = TokenFlops.from_hf(cfg)
+    assert flops.per_token == 2.0 * weights
+    assert flops.per_pair == 4.0 * cfg.num_hidden_layers * cfg.hidden_size  # heads * head_dim
+    assert causal_pairs(3) == 6 and row_pairs([3, 2]) == 6 + 3
+    # [P=2 | R1=1 | R2=3]: P 3 pairs, R1 2 + 1, R2 3 * 2 + 6
+    assert row_pairs([6], [(2, 1, 3)]) == 3 + 3 + 12
+    assert flops.train(10, 5) == 3 * (10 * flops.per_token + 5 * flops.per_pair)

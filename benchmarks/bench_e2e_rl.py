@@ -16,7 +16,8 @@ Models: ``default`` is the embedded default (the SFT checkpoint the default run 
 trained first if absent); ``20m`` a ~20M-parameter Qwen2 (random init, the same tokenizer).
 Prints seconds per step for each side, the ratio (goal: >= 3x on the default model, >= 2x
 on the 20M one), realflow's breakdown and, when the actor logs ``n_tokens`` /
-``n_computed_tokens``, the training tokens computed per useful one (padding; ``training.pad_free``).
+``n_computed_tokens``, the training tokens and FLOPs computed per useful one (padding,
+``training.pad_free``; a group's prompt computed once, ``training.shared_prefix``).
 """
 from __future__ import annotations
 
@@ -235,6 +236,11 @@ def main() -> None:
             useful = sum(r.get("actor_train/n_tokens", 0.0) for r in rf_rows)
             print(f"  realflow training tokens computed / useful: {computed / max(useful, 1.0):.3f} "
                   f"({useful / computed:.1%} real)")
+        f_comp = sum(r.get("actor_train/flops_computed", 0.0) for r in rf_rows)
+        if f_comp:  # the same in FLOPs (parallel/flops.py): padding, fillers, shared prompts
+            f_use = sum(r.get("actor_train/flops_useful", 0.0) for r in rf_rows)
+            print(f"  realflow training FLOPs computed / useful: {f_comp / max(f_use, 1.0):.3f} "
+                  f"({f_comp / len(rf_rows) / 1e9:.2f} vs {f_use / len(rf_rows) / 1e9:.2f} GFLOP per step)")
         for part in plain_phases[0]:
             v = statistics.mean(p[part] for p in plain_phases)
             print(f"  plain    {part:<46} " + (f"{v:8.0f}" if "/s" in part else f"{v * 1000:8.1f} ms"))

@@ -1,6 +1,7 @@
 """The default GRPO step end to end: realflow against a plain PyTorch + transformers loop.
 
 One command:  python benchmarks/bench_e2e_rl.py [--models default,20m] [--steps 6] [--rounds 2]
+              [--workload default|long-prompt]
 
 Both sides do the same work from the same checkpoint: ``batch_size`` prompts of the
 default RL data set x ``n_samples`` sampled responses (temperature 1, ``max_new_tokens``,
@@ -189,12 +190,48 @@ def _default_checkpoint(root: str) -> str:
     return path
 
 
+def long_prompt_files(root: str, data_path: str, model_path: str, ratio: float = 4.0) -> tuple[str, str, int]:
+    """The long-prompt workload: each prompt led by worked examples of the task (other rows'
+    prompt and solution, different per prompt) until its median length is ``ratio`` x the
+    median solution's; returns (train file, test file, the longest prompt in tokens)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    with open(data_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()][:4000]
+    answer = statistics.median(len(tok(r["solution"])["input_ids"]) + 1 for r in rows[:200])  # + EOS
+    rng = random.Random(0)
+    worked = [f"{r['prompt']}{r['solution']}\n" for r in rows]
+    k = 1
+    while statistics.median(len(tok("".join(worked[:k]) + r["prompt"])["input_ids"]) for r in rows[:50]) \
+            < ratio * answer:
+        k += 1
+    out_dir = os.path.join(root, "data", "long-prompt")
+    os.makedirs(out_dir, exist_ok=True)
+    longest = 0
+    paths = []
+    for name, part in (("train", rows[:-64]), ("test", rows[-64:])):
+        paths.append(os.path.join(out_dir, f"{name}.jsonl"))
+        with open(paths[-1], "w") as f:
+            for r in part:
+                prompt = "".join(rng.sample(worked, k)) + r["prompt"]
+                longest = max(longest, len(tok(prompt)["input_ids"]))
+                f.write(json.dumps({"prompt": prompt, "answer": r["answer"]}) + "\n")
+    print(f"long-prompt workload: {k} worked examples before each question, median answer {answer:.0f} tokens, "
+          f"prompts up to {longest} tokens")
+    return paths[0], paths[1], longest
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="default,20m", help="comma-separated: default, 20m")
     ap.add_argument("--steps", type=int, default=6, help="measured steps per side per round (after 1 warm-up)")
     ap.add_argument("--rounds", type=int, default=2, help="realflow / plain alternations")
     ap.add_argument("--fileroot", default="", help="reuse a fileroot (its SFT checkpoint and data)")
+    ap.add_argument("--workload", default="default", choices=("default", "long-prompt"),
+                    help="long-prompt: worked examples lead each prompt, 4x the answer's length (n = 8)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for realflow")
     a = ap.parse_args()
     root = a.fileroot or tempfile.mkdtemp(prefix="bench_e2e_rl_")
@@ -205,6 +242,13 @@ def main() -> None:
         import glob
 
         data = sorted(glob.glob(os.path.join(root, "data", "*-rl-*", "train.jsonl")))[0]
+    extra: list[str] = []
+    if a.workload == "long-prompt":
+        train, test, longest = long_prompt_files(root, data, _default_checkpoint(root))
+        data = train
+        work.n_samples, work.max_prompt_len = 8, longest
+        extra = [f"dataset.train_path={train}", f"dataset.test_path={test}", f"dataset.max_prompt_len={longest}",
+                 "dataset.chat_template=none", "ppo.n_samples=8"]
     print(f"work per step: {work.batch_size} prompts x {work.n_samples} samples, {work.max_new_tokens} new tokens, "
           f"{work.n_minibatches} optimizer steps; {os.cpu_count()} cores")
     summary = {}
@@ -214,7 +258,8 @@ def main() -> None:
         plain: list[float] = []
         plain_phases: list[dict[str, float]] = []
         for r in range(a.rounds):
-            rows = run_job(EXPERIMENT, root, f"e2e-{name}-{r}", a.steps + 1, [*overrides, *a.overrides])
+            rows = run_job(EXPERIMENT, root, f"e2e-{a.workload}-{name}-{r}", a.steps + 1,
+                           [*overrides, *extra, *a.overrides])
             rf_rows += rows[1:]
             times, phases = run_plain(model_path, data, work, a.steps)
             plain += times

@@ -32,7 +32,7 @@ LAYOUTS = {"d1": (1, 1, 1), "d2": (2, 1, 1), "t2": (1, 2, 1), "p2": (1, 1, 2)}
 GROUPS = [(12, [5, 1, 15, 7]), (20, [9]), (9, [3, 11, 2])]  # (prompt length, response lengths)
 MASKED = 2  # this sample's loss mask is all zeros
 MB_TOKENS = 80  # the first group spans two micro-batches
-CASES = ["case_setup"] + [f"case_{name}" for name in LAYOUTS]
+CASES = ["case_setup"] + [f"case_{name}" for name in LAYOUTS] + ["case_on_refused"]
 
 
 def _batch():
@@ -75,7 +75,7 @@ def _micro_batches(dp: int, dp_rank: int, critic: bool):
     return out
 
 
-def _engine(ctx, layout, name, shared, critic=False):
+def _engine(ctx, layout, name, shared, critic=False, attention="sdpa"):
     from transformers import AutoConfig
 
     from parallel.engine import MegatronEngine
@@ -88,7 +88,8 @@ def _engine(ctx, layout, name, shared, critic=False):
         return None
     path = os.path.join(ctx.tmpdir, name)
     return MegatronEngine(AutoConfig.from_pretrained(path), groups, path, _opt_cfg(), seed=1, critic=critic,
-                          attention="sdpa", training=TrainingMemoryConfig(pad_free="on", shared_prefix=shared))
+                          attention=attention, training=TrainingMemoryConfig(
+                              pad_free="on" if attention == "sdpa" else "auto", shared_prefix=shared))
 
 
 def _run(ctx, layout, critic):
@@ -173,6 +174,33 @@ def case_t2(ctx):
 
 def case_p2(ctx):
     return _case(ctx, "p2")
+
+
+def case_on_refused(ctx):
+    """``on`` where the model cannot share (megatron's attention: padded rows) and ``on`` for a
+    batch with nothing to share: one-line errors; ``auto`` on that batch computes every token."""
+    msgs = []
+    try:
+        _engine(ctx, (1, 1, 1), "lm", "on", attention="megatron")
+    except ValueError as e:
+        msgs.append(str(e))
+    eng = _engine(ctx, (1, 1, 1), "lm", "on")
+    if eng is None:
+        return None
+    g = torch.Generator().manual_seed(5)
+    ids = torch.cat([torch.tensor([7]), torch.randint(0, 150, (9,), generator=g), torch.tensor([8]),
+                     torch.randint(0, 150, (9,), generator=g)])  # two sequences differing at the start
+    batch = [(ids, [10, 10], (torch.roll(ids, -1), torch.ones(20)))]
+    try:
+        eng.train_batch(batch, lm_loss, weight)
+    except ValueError as e:
+        msgs.append(str(e))
+    assert len(msgs) == 2 and all("\n" not in m and "training.shared_prefix=on" in m for m in msgs), msgs
+    assert "pad_free" in msgs[0] and "share their first" in msgs[1], msgs
+    auto = _engine(ctx, (1, 1, 1), "lm", "auto")
+    stats = auto.train_batch(batch, lm_loss, weight)
+    assert stats["n_computed_tokens"] == stats["n_tokens"] == 20 and stats["flops_useful"] == stats["flops_computed"]
+    return {"messages": msgs}
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from mfc.mismatch import gap_means, gap_stats
 from mfc.packed import next_token_targets
 from mfc.ppo_config import PPOConfig
 from mfc.reward import held_out_scores
-from mfc.rl_batch import KLPenalty, flat_seqlens, run_ppo_updates
+from mfc.rl_batch import WORK_KEYS, KLPenalty, flat_seqlens, run_ppo_updates
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.config_values import dict_to_config
 from realflow.api.generation import SamplingParams

@@ -15,7 +15,7 @@ import torch
 from mfc.losses import aggregation_weight, value_loss
 from mfc.ppo_actor import knobs_for, logprobs_batch
 from mfc.ppo_config import PPOConfig
-from mfc.rl_batch import KLPenalty, flat_seqlens, run_ppo_updates
+from mfc.rl_batch import WORK_KEYS, KLPenalty, flat_seqlens, run_ppo_updates
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.engine import has_adapters
 from realflow.api.interface import Model, ModelInterface, register_interface

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -110,16 +111,22 @@ def test_without_bubblewrap_it_fails_closed_unless_told_otherwise(monkeypatch):
         sandbox.sandbox_status.cache_clear()
 
 
-def test_a_killed_callers_program_directory_is_swept_by_the_next_one():
+def test_a_killed_callers_program_directory_is_swept_by_the_next_one(monkeypatch):
     """A reward worker killed mid-run (SIGKILL: no ``finally``) leaves its program directory;
-    the next process that runs a program removes it, and never a living process's."""
+    the next process that runs a program removes it, and never a living process's. (Program
+    directories live in the temp dir: a private one here, which sandboxed runs of other tests on
+    this machine -- pytest-xdist's other process -- do not sweep.)"""
     import subprocess
     import sys
     import tempfile
 
+    private = tempfile.mkdtemp(prefix="rf_sweep_test_")
+    os.chmod(private, 0o755)  # the sandbox's uid reads the programs under it (pytest's tmp_path is 0700)
+    monkeypatch.setattr(tempfile, "tempdir", private)
     caller = subprocess.Popen([sys.executable, "-c",
                                "from realflow.base.sandbox import SandboxLimits, run_program\n"
-                               "run_program('import time; time.sleep(60)', '', SandboxLimits(wall_s=60, cpu_s=5))"])
+                               "run_program('import time; time.sleep(60)', '', SandboxLimits(wall_s=60, cpu_s=5))"],
+                              env={**os.environ, "TMPDIR": private})
     pattern = os.path.join(tempfile.gettempdir(), f"rf_sandbox_{caller.pid}_*")
     deadline = time.monotonic() + 30
     while not glob.glob(pattern) and time.monotonic() < deadline:
@@ -137,3 +144,4 @@ def test_a_killed_callers_program_directory_is_swept_by_the_next_one():
         assert os.path.isdir(mine)  # a living process's directory stays
     finally:
         os.rmdir(mine)
+        shutil.rmtree(private, ignore_errors=True)

@@ -70,7 +70,7 @@ def _learned(rows, steps, gain):
     assert last > first + gain, ([round(r["actor_train/reward"], 3) for r in rows], first, last)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)  # the first one also makes the VL start (~7 min alone, ~15 beside other tests)
 def test_vlm_grpo_reads_images_and_learns(fileroot):
     steps = 20
     res = _run("realflow.apps.main", fileroot, "experiment=vlm-grpo", f"max_train_steps={steps}",
@@ -87,7 +87,7 @@ def test_vlm_grpo_reads_images_and_learns(fileroot):
     assert not left_behind(fileroot)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)  # the first one also makes the VL start (~7 min alone, ~15 beside other tests)
 def test_async_grpo_sends_images_to_the_server_and_learns(fileroot):
     steps = 12
     res = _run("realflow.apps.main_async_ppo", fileroot, "dataset.task=shapes_count", "ppo.max_new_tokens=8",

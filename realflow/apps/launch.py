@@ -302,8 +302,10 @@ def _run_attempt(experiment: str, imports: list[str], overrides: list[str], setu
         return _follow(sched, view, setup)
     finally:
         sched.close()
-        # segments a dead consumer never mapped would otherwise outlive the run
-        shm.cleanup_segments(shm.segment_prefix(setup.experiment_name, setup.trial_name))
+        # segments a dead consumer never mapped would otherwise outlive the run; only those of
+        # dead producers: another run of the same experiment and trial name on this host (another
+        # file root) keeps its live ones
+        shm.cleanup_segments(shm.segment_prefix(setup.experiment_name, setup.trial_name), only_dead_producers=True)
         if os.path.exists(os.path.join(setup.run_dir, ".secret")):
             os.remove(os.path.join(setup.run_dir, ".secret"))
         resolver.clear_subtree(names.trial_root(setup.experiment_name, setup.trial_name))

@@ -279,8 +279,9 @@ def main() -> None:
         computed = sum(r.get("actor_train/n_computed_tokens", 0.0) for r in rf_rows)
         if computed:  # the actor's train steps: token rows the layers ran (training.pad_free) per real token
             useful = sum(r.get("actor_train/n_tokens", 0.0) for r in rf_rows)
-            print(f"  realflow training tokens computed / useful: {computed / max(useful, 1.0):.3f} "
-                  f"({useful / computed:.1%} real)")
+            share = f"{useful / computed:.2f}x fewer rows than tokens (shared prompts)" if computed < useful \
+                else f"{useful / computed:.1%} real"
+            print(f"  realflow training tokens computed / useful: {computed / max(useful, 1.0):.3f} ({share})")
         f_comp = sum(r.get("actor_train/flops_computed", 0.0) for r in rf_rows)
         if f_comp:  # the same in FLOPs (parallel/flops.py): padding, fillers, shared prompts
             f_use = sum(r.get("actor_train/flops_useful", 0.0) for r in rf_rows)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from parallel.groups import ModelGroups
 from parallel.flops import causal_pairs, row_pairs
 from parallel.packed_batch import pack_micro_batch, pad_free_batches
-from parallel.rotary import explicit_rotary_positions
+from parallel.rotary import explicit_rotary_positions, positioned_ropes
 from parallel.shared_prefix import MIN_SHARED_PREFIX, plan_shared
 from parallel.packing import PaddedBatch, check_packed, pad_packed, split_by_token_budget
 
@@ -109,7 +109,7 @@ class ScheduleRunner:
         error)."""
         self.pad_free = bool(pad_free)
         self.shared_prefix = shared_prefix if self.pad_free else "off"
-        self._ropes: Optional[Any] = None
+        self._ropes: Optional[tuple[int, list]] = None  # (id of the model, its positioned RoPE modules)
         self.computed_tokens = 0  # token rows the last run() computed (real + padding), this replica
         self.computed_pairs = 0  # causal (query, key) pairs its attention computed (parallel/flops.py)
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -185,7 +185,8 @@ class ScheduleRunner:
             else:
                 # causal mask built by megatron (pad-free: per sequence, from packed_seq_params);
                 # a shared-prefix row rotates by its own positions (parallel/rotary.py)
-                with explicit_rotary_positions(model_, getattr(pb.packed, "positions", None)):
+                positions = getattr(pb.packed, "positions", None)
+                with explicit_rotary_positions(self._positioned_ropes(model_), positions):
                     out = model_(pb.input_ids, pb.position_ids, None, packed_seq_params=pb.packed)
             if moe is not None:
                 out = moe.after(out, training=not forward_only)
@@ -206,6 +207,11 @@ class ScheduleRunner:
             pg_collection=self.groups.pg_collection,
             **kw,
         )
+
+    def _positioned_ropes(self, model: torch.nn.Module) -> list:
+        if self._ropes is None or self._ropes[0] != id(model):
+            self._ropes = (id(model), positioned_ropes(model))
+        return self._ropes[1]
 
     @staticmethod
     def _call(on_output: OutputCallback, mb: MicroBatch, pb: PaddedBatch,

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-__all__ = ["explicit_rotary_positions", "use_positioned_rotary"]
+__all__ = ["explicit_rotary_positions", "positioned_ropes", "use_positioned_rotary"]
 
 
 def _positioned_class() -> type:
@@ -54,12 +54,17 @@ def use_positioned_rotary(model: torch.nn.Module) -> bool:
     return isinstance(rope, _CLASS)
 
 
+def positioned_ropes(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's rotary modules that take explicit positions (look up once per model)."""
+    return [] if _CLASS is None else [m for m in model.modules() if isinstance(m, _CLASS)]
+
+
 @contextlib.contextmanager
-def explicit_rotary_positions(model: torch.nn.Module, positions: Optional[torch.Tensor]) -> Iterator[None]:
-    """Rotate by ``positions`` during the forward inside (megatron computes the frequencies once
-    per forward, before the layers: recompute in the backward reuses them)."""
-    ropes = [] if positions is None or _CLASS is None else [m for m in model.modules() if isinstance(m, _CLASS)]
-    if not ropes:
+def explicit_rotary_positions(ropes: list[torch.nn.Module], positions: Optional[torch.Tensor]) -> Iterator[None]:
+    """Rotate ``ropes`` (:func:`positioned_ropes`) by ``positions`` during the forward inside
+    (megatron computes the frequencies once per forward, before the layers: recompute in the
+    backward reuses them)."""
+    if positions is None or not ropes:
         yield
         return
     for r in ropes:

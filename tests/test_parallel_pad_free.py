@@ -139,6 +139,16 @@ def _run(ctx, layout, critic):
     return res or None
 
 
+def step_errors(off, on):
+    """Relative max errors of the gradients (when taken) and the parameter update, on vs off."""
+    errs = {}
+    for key in ("grads", "update"):
+        if on.get(key) is not None:
+            scale = max(t.abs().max().item() for t in off[key].values())
+            errs[key] = max((on[key][n] - t).abs().max().item() for n, t in off[key].items()) / scale
+    return errs
+
+
 def _compare(res, layout, critic):
     off, on = res["off"], res["on"]
     errs = {}
@@ -153,12 +163,7 @@ def _compare(res, layout, critic):
     assert sn["n_tokens"] <= sn["n_computed_tokens"] < so["n_computed_tokens"]
     if layout == (1, 1, 1):
         assert sn["n_computed_tokens"] == sn["n_tokens"], sn  # no filler without sp / pp
-    if on.get("grads") is not None:
-        scale = max(g.abs().max().item() for g in off["grads"].values())
-        errs["grads"] = max((on["grads"][n] - g).abs().max().item() for n, g in off["grads"].items()) / scale
-    if on.get("update") is not None:
-        scale = max(u.abs().max().item() for u in off["update"].values())
-        errs["update"] = max((on["update"][n] - u).abs().max().item() for n, u in off["update"].items()) / scale
+    errs.update(step_errors(off, on))
     bad = {k: v for k, v in errs.items() if not v <= TOL}
     assert not bad, f"pad-free != padded beyond {TOL}: {bad}"
     return {"errors": errs, "computed": [so["n_computed_tokens"], sn["n_computed_tokens"]]}

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.testing import make_tiny_hf, run_cases
-from test_parallel_pad_free import _opt_cfg, _rel, critic_loss, lm_loss, weight
+from test_parallel_pad_free import _opt_cfg, _rel, critic_loss, lm_loss, step_errors, weight
 
 MODULE = __name__.rsplit(".", 1)[-1]
 WORLD = 2
@@ -133,12 +133,7 @@ def _compare(res, critic):
     assert sn["n_computed_tokens"] < so["n_computed_tokens"], (sn, so)  # prompts not recomputed
     assert sn["flops_useful"] == so["flops_useful"] and sn["flops_computed"] < so["flops_computed"] <= \
         so["flops_useful"] * 1.1, (sn, so)  # (off: pad-free, only the p2 filler beyond useful)
-    if on.get("grads") is not None:
-        scale = max(g.abs().max().item() for g in off["grads"].values())
-        errs["grads"] = max((on["grads"][n] - g).abs().max().item() for n, g in off["grads"].items()) / scale
-    if on.get("update") is not None:
-        scale = max(u.abs().max().item() for u in off["update"].values())
-        errs["update"] = max((on["update"][n] - u).abs().max().item() for n, u in off["update"].items()) / scale
+    errs.update(step_errors(off, on))
     bad = {k: v for k, v in errs.items() if not v <= TOL}
     assert not bad, f"shared prefix != recomputed beyond {TOL}: {bad}"
     return {"errors": errs, "computed": [so["n_computed_tokens"], sn["n_computed_tokens"]]}

@@ -11,7 +11,9 @@
 #    from published figures (python -m benchmarks.compare_profiles <measured.json>).
 # 4. benchmarks/bench_planner.py --gpu with that profile: the planner's predicted step against
 #    the measured one for SFT and GRPO on one GPU (BENCH_S=0 skips it).
-# Every step has its own time limit (seconds: CUDA_TESTS_S, PARITY_TESTS_S, CALIBRATE_S, BENCH_S).
+# 5. benchmarks/bench_engine.py on Qwen3-0.6B's shape: the generation engine's decode step against
+#    the HBM roofline, and its tokens/s against transformers generate (ENGINE_S=0 skips it).
+# Every step has its own time limit (seconds: CUDA_TESTS_S, PARITY_TESTS_S, CALIBRATE_S, BENCH_S, ENGINE_S).
 set -u -o pipefail
 OUT=${OUT:-device_check_out}
 mkdir -p "$OUT"
@@ -43,4 +45,10 @@ if [ "${BENCH_S:-300}" != 0 ] && [ -f "$OUT/profile.json" ]; then
     timeout "${BENCH_S:-300}" $PY benchmarks/bench_planner.py --gpu --profile "$OUT/profile.json" \
         --steps "${BENCH_STEPS:-12}" --passes 1 --root "${TMPDIR:-/tmp}/bench_planner_gpu" 2>&1 | tee "$OUT/bench_planner_gpu.log"
     echo "bench_planner --gpu: rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.log"
+fi
+if [ "${ENGINE_S:-150}" != 0 ]; then
+    start=$(date +%s)
+    timeout "${ENGINE_S:-150}" $PY benchmarks/bench_engine.py --parts roofline,throughput --shape qwen3-0.6b \
+        2>&1 | tee "$OUT/engine.log"
+    echo "bench_engine (roofline, throughput): rc=$? in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.log"
 fi

@@ -208,9 +208,10 @@ def part_groups(a: argparse.Namespace, path: str, hf_config: Any, dev: torch.dev
           f"is prefilled once)")
     for name, (wall, tokens, shared, _) in rows:
         extra = "" if shared is None else f", prefix-shared {shared}"
-        print(f"{name:32s} prefill tokens {tokens:7d}{extra}, prefill {flops(tokens) / 1e9:9.3f} GFLOP, "
-              f"wall {wall:.3f} s")
-    if len(rows) == 2:
+        work = "n/a (no prefill_tokens in stats())" if tokens is None else \
+            f"{tokens:7d}{extra}, prefill {flops(tokens) / 1e9:9.3f} GFLOP"
+        print(f"{name:32s} prefill tokens {work}, wall {wall:.3f} s")
+    if len(rows) == 2 and rows[1][1][1] is not None:
         (_, (w0, t0, _, o0)), (_, (w1, t1, _, o1)) = rows
         same = sum(x == y for x, y in zip(o0, o1))
         print(f"identical samples off vs on: {same}/{len(o0)}")

@@ -31,6 +31,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from parallel.generation.decoder import KVCache
+
 __all__ = ["Replay", "replay_generator", "replay_trainer", "divergence", "gap_stats", "point_order",
            "point_name"]
 
@@ -95,12 +97,15 @@ def replay_generator(engine: Any, seqs: Sequence[Sequence[int]], prompt_lens: Se
     """Teacher-forced replay on a :class:`parallel.generation.GenerationEngine` built with at
     least ``len(seqs)`` slots and room for the longest sample (see module docstring)."""
     n = _check(seqs, prompt_lens)
-    dec, cache = engine.decoder, engine.cache
+    dec = engine.decoder
     J = len(seqs)
-    if J > cache.slots or max(len(s) for s in seqs) > cache.max_len:
-        raise ValueError(f"{J} samples up to {max(len(s) for s in seqs)} tokens need an engine with that many "
-                         f"slots and max_model_len (it has {cache.slots}, {cache.max_len})")
+    longest = max(len(s) for s in seqs)
+    if longest > engine.max_context:
+        raise ValueError(f"samples up to {longest} tokens need an engine with that max_model_len "
+                         f"(it has {engine.max_context})")
     dev = engine.weights.device
+    # the replay's own contiguous cache (one slot per sample), beside the engine's pool
+    cache = KVCache(engine.spec, J, engine.max_context, engine.weights.dtype, dev)
     cap = _Capture(n) if probe else None
     lps = [torch.zeros(k) for k in n]
     where: dict[str, Any] = {}  # what the current probe call's rows are

@@ -425,26 +425,41 @@ def case_tp(ctx):
 
 
 def test_kv_cache_shrinks_to_the_memory_it_may_take(ckpts, monkeypatch, caplog):
-    import parallel.generation.engine as engine_mod
+    import parallel.generation.kv_budget as kv_budget
     from parallel.generation.kv_budget import slot_bytes
 
     path, model = ckpts["qwen2"]
     cfg = model.config
     per_slot = slot_bytes(cfg.num_hidden_layers, cfg.num_key_value_heads,
                           cfg.hidden_size // cfg.num_attention_heads, 64, torch.float32)
-    monkeypatch.setattr(engine_mod, "free_bytes", lambda device: 3 * per_slot * 2)  # fraction 0.5: 3 slots
+    # CPU (contiguous decode): a row costs its contiguous copy and 64 tokens of pool blocks
+    per_row = 2 * per_slot
+    free = 3 * per_row * 2 + per_slot  # fraction 0.5: 3 rows (and the pool's scratch row)
+    monkeypatch.setattr(kv_budget, "free_bytes", lambda device: free)
     with caplog.at_level("WARNING", logger="realflow.generation"):
         eng = _engine(path, max_running_requests=8, max_model_len=64, gpu_memory_utilization=0.5)
     assert eng.config.max_running_requests == 3 and eng.cache.slots == 3
-    kv = eng.cache.kt.numel() * eng.cache.kt.element_size() + eng.cache.v.numel() * eng.cache.v.element_size()
-    assert kv == 3 * per_slot  # the budget counts what the cache allocates
+    kv = eng.stats()["kv_cache_bytes"]
+    assert 3 * per_row < kv <= free * 0.5  # the budget counts what the cache allocates
     assert "running 3 sequences at a time instead" in caplog.text
-    res = eng.generate(PROMPTS[:5], greedy(6))  # 5 requests through 3 slots: all answered, all exact
+    res = eng.generate(PROMPTS[:5], greedy(6))  # 5 requests through 3 rows: all answered, all exact
     assert [r.output_ids for r in res] == [hf_greedy(model, p, 6) for p in PROMPTS[:5]]
 
-    monkeypatch.setattr(engine_mod, "free_bytes", lambda device: per_slot // 2)
+    monkeypatch.setattr(kv_budget, "free_bytes", lambda device: per_slot // 2)
     with pytest.raises(ValueError, match=r"one slot needs .* GiB .*lower max_model_len .* raise gpu_memory_util"):
         _engine(path, max_running_requests=8, max_model_len=64)
+    # paged decode (the GPU's layout): the pool is sized by the budget, rows stay as asked
+    monkeypatch.setattr(kv_budget, "free_bytes", lambda device: free)
+    eng = _engine(path, max_running_requests=8, max_model_len=64, gpu_memory_utilization=0.5,
+                  decode_attention="paged")
+    assert eng.config.max_running_requests == 8 and eng.cache is None
+    assert eng.stats()["kv_cache_bytes"] <= free * 0.5
+    assert eng.stats()["kv_blocks"] == (free * 0.5 - per_slot / 64) // (per_slot / 4)
+    res = eng.generate(PROMPTS[:5], greedy(6))
+    assert [r.output_ids for r in res] == [hf_greedy(model, p, 6) for p in PROMPTS[:5]]
+    monkeypatch.setattr(kv_budget, "free_bytes", lambda device: per_slot // 2)
+    with pytest.raises(ValueError, match=r"one sequence of max_model_len=64 needs 4 blocks .* lower max_model_len"):
+        _engine(path, max_running_requests=8, max_model_len=64, decode_attention="paged")
     for bad in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match=rf"^gpu_memory_utilization={bad} must be in \(0, 1\]"):
             _engine(path, gpu_memory_utilization=bad)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel.generation.moe import moe_forward, routing_dtype
+from parallel.generation.paged_cache import PagedKVCache
 from parallel.generation.weights import DecoderWeights, ModelSpec
 from parallel.model_config import rope_inv_freq
 
@@ -235,7 +236,7 @@ class Decoder:
     def prefill(self, ids: torch.Tensor, lens: torch.Tensor, cache: KVCache, slot0: int,
                 rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                 images: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        """Right-padded prompts ``ids [J, P]`` into slots ``slot0..slot0+J-1``.
+        """Right-padded prompts ``ids [J, P]`` into slots ``slot0..slot0+J-1`` of a contiguous cache.
 
         Right padding needs no mask beyond causality: a real token only attends
         to earlier positions, which are all real.  Returns logits [J, V] at each
@@ -243,18 +244,64 @@ class Decoder:
         pass per-row ``rope`` cos/sin ``[J, P, hd]`` (M-RoPE) and ``images``: rows
         ``(row, position)`` whose embeddings are replaced by the tower's ``features``.
         """
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write_prefix(li, slot0, k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.rep > 1)
+
+        return self._rows_forward(ids, lens, None, attend, rope, images)
+
+    @torch.inference_mode()
+    def extend(self, ids: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, pool: PagedKVCache,
+               write_rows: torch.Tensor, ctx_rows: Optional[torch.Tensor] = None,
+               rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+               images: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """Prefill into the paged pool: row ``j`` runs its tokens ``starts[j] .. starts[j]+lens[j]-1``
+        (``ids [J, P]``, right-padded), writing their keys and values to pool rows ``write_rows
+        [J, P]`` (the scratch row for padding), and attending to its earlier tokens already in the
+        pool -- a cached or shared prefix, the previous chunks of a chunked prefill -- through
+        ``ctx_rows [J, C]`` (tokens ``0..C-1``; None when every row starts at 0). Logits [J, V] at
+        each row's last new token."""
+        J, P = ids.shape
+        ng, hd = self.spec.local_groups, self.spec.head_dim
+        positions = (starts[:, None] + self._positions[:P][None, :]).clamp_(max=self._positions.shape[0] - 1)
+        mask = None
+        if ctx_rows is not None:  # key t is visible to the query at position p when t <= p
+            mask = (self._positions[: ctx_rows.shape[1]][None, None, :] <= positions[:, :, None])[:, None]
+        flat_rows = write_rows.reshape(-1)
+
+        def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            pool.write(li, flat_rows, k.transpose(1, 2).reshape(J * P, ng, hd), v.transpose(1, 2).reshape(J * P, ng, hd))
+            if ctx_rows is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                      enable_gqa=self.rep > 1)
+            k_all, v_all = pool.read(li, ctx_rows)  # [J, C, ng, hd]
+            return F.scaled_dot_product_attention(q, k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask,
+                                                  scale=self.scale, enable_gqa=self.rep > 1)
+
+        return self._rows_forward(ids, lens, None if ctx_rows is None else positions, attend, rope, images)
+
+    def _rows_forward(self, ids: torch.Tensor, lens: torch.Tensor, positions: Optional[torch.Tensor],
+                      attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                      rope: Optional[tuple[torch.Tensor, torch.Tensor]],
+                      images: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The layers over right-padded rows ``ids [J, P]``; ``attend(layer, q [J, heads, P, hd],
+        k, v [J, groups, P, hd])`` stores k/v and returns the attention output [J, heads, P, hd].
+        ``positions [J, P]``: rotary positions when rows do not start at 0."""
         s = self.spec
         J, P = ids.shape
         x = self._embed(ids)  # [J, P, h]
         if images is not None:
             rows_j, rows_p, feats = images
             x[rows_j, rows_p] = feats.to(x.dtype)
-        if rope is None:
-            cos = self.cos[:P].view(1, P, 1, 1, -1)
-            sin = self.sin[:P].view(1, P, 1, 1, -1)
-        else:
+        if rope is not None:
             cos = rope[0].view(J, P, 1, 1, -1)
             sin = rope[1].view(J, P, 1, 1, -1)
+        elif positions is not None:
+            cos = self.cos[positions].view(J, P, 1, 1, -1)
+            sin = self.sin[positions].view(J, P, 1, 1, -1)
+        else:
+            cos = self.cos[:P].view(1, P, 1, 1, -1)
+            sin = self.sin[:P].view(1, P, 1, 1, -1)
         probe = self.probe
         if probe is not None:
             probe("embedding", -1, x)
@@ -269,10 +316,8 @@ class Decoder:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos[:, :, 0] + _rotate_half(k) * sin[:, :, 0]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [J, ng, P, hd]
-            cache.write_prefix(li, slot0, k, v)
             q = q.reshape(J, P, s.local_heads, s.head_dim).transpose(1, 2)  # [J, nh, P, hd]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                               enable_gqa=self.rep > 1)
+            o = attend(li, q, k, v)
             o = o.transpose(1, 2).reshape(J, P, s.local_heads * s.head_dim)
             x = x + self._all_reduce(_linear(o, layer.proj_w, layer.proj_t))
             if probe is not None:
@@ -286,12 +331,21 @@ class Decoder:
         return self.logits(last)
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache,
-               rope_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def decode(self, tokens: torch.Tensor, pos: torch.Tensor, cache: Optional[KVCache],
+               rope_pos: Optional[torch.Tensor] = None, pool: Optional[PagedKVCache] = None,
+               pool_rows: Optional[torch.Tensor] = None, ctx_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One token per row (rows ``0..B-1`` = slots) at positions ``pos``; logits [B, V].
 
         ``rope_pos`` (vision-language models): the rotary positions when they are not the
         cache positions (``pos + delta`` after an image prompt; M-RoPE's three are equal then).
+
+        Where keys and values live (:mod:`parallel.generation.paged_cache`):
+
+        * ``cache`` (contiguous slots): the new k/v go into slot ``i`` of row ``i`` and attention
+          reads the slots; with ``pool`` the new k/v are also written to pool rows ``pool_rows [B]``
+          (the slots are then the pool's per-row copy);
+        * ``cache=None`` (paged): the new k/v go to ``pool_rows`` and each row attends over pool
+          rows ``ctx_rows [B, L]`` (its tokens ``0..L-1``, the scratch row after ``pos``).
 
         Written for few ops per layer: RoPE is applied to q and k heads at once
         (they are adjacent in the fused qkv layout), the new k/v go into the
@@ -303,16 +357,19 @@ class Decoder:
         """
         s = self.spec
         B, ng, rep, hd = tokens.shape[0], s.local_groups, self.rep, s.head_dim
-        L = int(pos.max()) + 1
         x = self._embed(tokens)  # [B, h]
         cos, sin = self.cos_sin[pos if rope_pos is None else rope_pos].view(B, 1, 2, 1, hd).unbind(2)
-        k_idx, v_idx = cache.decode_index(pos)
+        if cache is not None:
+            L = int(pos.max()) + 1
+            k_idx, v_idx = cache.decode_index(pos)
+            keys_t = cache.kt[:, :B, :, :, :L].flatten(1, 2)  # [layers, B*ng, hd, L], a view
+            values = cache.v[:, :B, :, :L].flatten(1, 2)  # [layers, B*ng, L, hd]
+        else:
+            L = ctx_rows.shape[1]
         # additive mask for positions beyond each row's own, one row per query: [B*ng, rep, L]
         bias = torch.where(self._positions[:L] > pos[:, None], self._neg_inf, self._zero).to(x.dtype)
         bias = bias[:, None, None, :].expand(B, ng, rep, L).reshape(B * ng, rep, L)
         half = hd // 2
-        keys_t = cache.kt[:, :B, :, :, :L].flatten(1, 2)  # [layers, B*ng, hd, L], a view
-        values = cache.v[:, :B, :, :L].flatten(1, 2)  # [layers, B*ng, L, hd]
         ffn = s.ffn // s.tp_size
         routing = None if self.moe is None else self._new_routing(B, x.device)
         probe = self.probe
@@ -328,11 +385,19 @@ class Decoder:
                                 _rms(qkv[:, :, rep:rep + 1], layer.k_norm, self.eps)), 2)
             # rotate_half(x) * sin == roll(x, half) * [-sin_1, sin_2] (exact: a sign flip)
             qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
-            cache.kt_flat[li].index_copy_(0, k_idx, qk[:, :, rep].reshape(-1))
-            cache.v_flat[li].index_copy_(0, v_idx, qkv[:, :, rep + 1].reshape(B * ng, hd))
-            scores = torch.baddbmm(bias, qk[:, :, :rep].reshape(B * ng, rep, hd), keys_t[li],
+            if pool is not None:
+                pool.write(li, pool_rows, qk[:, :, rep], qkv[:, :, rep + 1])
+            if cache is not None:
+                cache.kt_flat[li].index_copy_(0, k_idx, qk[:, :, rep].reshape(-1))
+                cache.v_flat[li].index_copy_(0, v_idx, qkv[:, :, rep + 1].reshape(B * ng, hd))
+                k_t, vals = keys_t[li], values[li]
+            else:  # the gather path: [B, L, ng, hd] -> [B*ng, hd, L] and [B*ng, L, hd]
+                k_all, v_all = pool.read(li, ctx_rows)
+                k_t = k_all.permute(0, 2, 3, 1).reshape(B * ng, hd, L)
+                vals = v_all.transpose(1, 2).reshape(B * ng, L, hd)
+            scores = torch.baddbmm(bias, qk[:, :, :rep].reshape(B * ng, rep, hd), k_t,
                                    alpha=self.scale)  # [B*ng, rep, L]
-            o = torch.bmm(torch.softmax(scores, dim=-1), values[li])  # [B*ng, rep, hd]
+            o = torch.bmm(torch.softmax(scores, dim=-1), vals)  # [B*ng, rep, hd]
             x.add_(self._all_reduce(_linear(o.view(B, ng * rep * hd), layer.proj_w, layer.proj_t)))
             if probe is not None:
                 probe("attention", li, x)

@@ -35,12 +35,17 @@ import torch
 import torch.distributed as dist
 
 from parallel.generation.adapters import AdapterMerger
+from parallel.generation.blocks import BlockAllocator
 from parallel.generation.decoder import Decoder, KVCache
+from parallel.generation.paged_cache import PagedKVCache
+from parallel.generation.pager import Pager
 from parallel.generation.weight_updates import WeightUpdatesMixin
-from parallel.generation.kv_budget import fit_slots, free_bytes, slot_bytes
-from parallel.generation.routing import RoutingBuffer, new_buffer, record_decode, record_prefill
+from parallel.generation.kv_budget import kv_layout
+from parallel.generation.routing import new_buffer
 from parallel.generation.sampler import SampleBatch, sample
-from parallel.generation.vision import EngineVision, SeqImages, shared_tower, vision_tower_for
+from parallel.generation.sequence import RowFlags, Seq
+from parallel.generation.stepping import SteppingMixin
+from parallel.generation.vision import EngineVision, shared_tower, vision_tower_for
 from parallel.generation.weights import DecoderWeights, ModelSpec, load_hf_weights
 from parallel.vision import vision_arch
 from realflow.api.generation import (GenerationFailed, GenerationResult, SamplingParams, check_inference_memory,
@@ -51,18 +56,33 @@ from realflow.base.devices import worker_device
 __all__ = ["EngineConfig", "GenerationEngine"]
 
 
+DECODE_ATTENTION = ("auto", "contiguous", "paged")
+
+
 @dataclass
 class EngineConfig:
-    """Capacity of the engine (the KV cache is allocated once from these)."""
+    """Capacity of the engine (the KV pool is allocated once from these)."""
 
-    max_running_requests: int = 64  # KV-cache slots
-    # prompt + output of one sequence (the KV cache's length per slot); default max_position_embeddings
+    max_running_requests: int = 64  # sequences decoded together (rows of a decode step)
+    # prompt + output of one sequence; default max_position_embeddings
     max_model_len: Optional[int] = None
-    max_prefill_tokens: int = 8192  # per step, for joining requests (at least one joins)
+    # tokens prefilled per step; a longer prompt is prefilled in chunks over several steps while
+    # the running sequences keep decoding (chunked prefill)
+    max_prefill_tokens: int = 8192
     seed: int = 0  # seeds of requests that bring none
-    # the KV cache may take this fraction of the device's free memory at build time; fewer slots
-    # when the requested ones do not fit (see parallel.generation.kv_budget)
+    # the KV pool may take this fraction of the device's free memory at build time (see
+    # parallel.generation.kv_budget); at least one max_model_len sequence must fit
     gpu_memory_utilization: float = 0.9
+    block_size: int = 16  # tokens per KV block (a power of two)
+    # a request's n samples prefill their prompt once and share its blocks; prompts that start
+    # with blocks cached under the current weights (agent turns, retracted requests) reuse them
+    prefix_sharing: bool = True
+    # where decode reads keys and values: "paged" gathers each row's blocks (the GPU's path),
+    # "contiguous" keeps a per-row copy of the blocks (the CPU's: ~8x cheaper attention there);
+    # "auto": contiguous on a CPU, paged on a GPU
+    decode_attention: str = "auto"
+    enforce_eager: bool = False  # GPU: no CUDA graphs for decode (they are captured per batch size)
+    kv_blocks: Optional[int] = None  # the pool's size in blocks (default: from gpu_memory_utilization)
 
     def validate(self) -> "EngineConfig":
         if self.max_running_requests < 1:
@@ -70,44 +90,15 @@ class EngineConfig:
         check_inference_memory(self.gpu_memory_utilization, self.max_model_len)
         if self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens}: must be >= 1")
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b & (b - 1):
+            raise ValueError(f"block_size={b!r}: must be a power of two (1, 2, 4, ... tokens per KV block; "
+                             f"16 is the usual choice)")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={self.decode_attention!r}: expected one of {DECODE_ATTENTION}")
+        if self.kv_blocks is not None and self.kv_blocks < 1:
+            raise ValueError(f"kv_blocks={self.kv_blocks}: must be >= 1 (or unset to size it from memory)")
         return self
-
-
-class _Seq:
-    __slots__ = ("rid", "request_rid", "index", "prompt", "out", "logprobs", "versions", "params",
-                 "rng", "stop_ids", "stop_window", "samples", "truncates", "routed", "images")
-
-    def __init__(self, rid: str, request_rid: str, index: int, prompt: list[int],
-                 params: SamplingParams, seed: int, stop_ids: frozenset[int]) -> None:
-        self.rid, self.request_rid, self.index = rid, request_rid, index
-        self.prompt = prompt
-        self.out: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.params = params
-        self.rng = random.Random(seed)
-        self.stop_ids = stop_ids
-        # tokens to decode when looking for a stop string (a token is >= 1 byte, a char <= 4)
-        self.stop_window = 4 * max((len(s) for s in params.stop), default=0) + 8
-        self.samples = not params.greedy
-        self.truncates = self.samples and (params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0)
-        self.routed: Optional[RoutingBuffer] = None  # MoE routing record (parallel.generation.routing)
-        self.images: Optional[SeqImages] = None  # VL models: the prompt's images and M-RoPE positions
-
-    def result(self, reason: dict[str, Any]) -> GenerationResult:
-        routed = None if self.routed is None or self.routed.n == 0 else self.routed.array()  # 0: never ran
-        return GenerationResult(self.rid, self.prompt, self.out, self.logprobs, self.versions,
-                                reason, self.request_rid, self.index, routed)
-
-
-@dataclass
-class _RowFlags:
-    sampled: list[int]  # rows (relative) that sample rather than take the argmax
-    rows: Optional[torch.Tensor]  # the same as a tensor, None when all or none sample
-    truncate: bool  # some sampled row has top-k / top-p / min-p
-    lp_sampling: bool  # some row wants logprob_mode="sampling"
-    stop_ids: bool  # some row has stop token ids
-    stop_strings: list[int]  # rows with stop strings
 
 
 def _tp_info(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
@@ -116,7 +107,7 @@ def _tp_info(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
-class GenerationEngine(WeightUpdatesMixin):
+class GenerationEngine(SteppingMixin, WeightUpdatesMixin):
     """KV-cache generation on one tp rank's megatron-layout weights (see module docstring)."""
 
     def __init__(self, hf_config: Any, weights: Mapping[str, torch.Tensor],
@@ -140,18 +131,22 @@ class GenerationEngine(WeightUpdatesMixin):
         self.vision: Optional[EngineVision] = None if arch is None else EngineVision(
             arch, vision_tower, self.spec.head_dim, self.weights.device)
         dev = self.weights.device
-        slots = fit_slots(self.config.max_running_requests,
-                          slot_bytes(self.spec.num_layers, self.spec.local_groups, self.spec.head_dim,
-                                     self._max_context, self.weights.dtype),
-                          free_bytes(dev), self.config.gpu_memory_utilization, f"device {dev}")
-        self.config = dataclasses.replace(self.config, max_running_requests=slots)
-        self.cache = KVCache(self.spec, self.config.max_running_requests, self._max_context,
-                             self.weights.dtype, self.weights.device)
+        cfg = self.config
+        contiguous = cfg.decode_attention == "contiguous" or (cfg.decode_attention == "auto" and dev.type == "cpu")
+        slots, blocks = kv_layout(self.spec, cfg.max_running_requests, self._max_context, cfg.block_size,
+                                  self.weights.dtype, dev, cfg.gpu_memory_utilization, contiguous, cfg.kv_blocks)
+        self.config = dataclasses.replace(cfg, max_running_requests=slots)
+        self.pool = PagedKVCache(self.spec, blocks, cfg.block_size, self.weights.dtype, dev)
+        self.pager = Pager(BlockAllocator(blocks, cfg.block_size), self.pool, cfg.prefix_sharing)
+        # contiguous decode: each running row's keys and values also in slot i (the pool's per-row copy)
+        self.cache: Optional[KVCache] = KVCache(self.spec, slots, self._max_context, self.weights.dtype, dev) \
+            if contiguous else None
         self.tokenizer = tokenizer
         self.version = int(version)
         self._rng = random.Random(self.config.seed)
-        self._running: list[_Seq] = []  # row i lives in KV slot i
-        self._waiting: deque[_Seq] = deque()
+        self._running: list[Seq] = []  # row i of a decode step (slot i of the contiguous copy)
+        self._partial: Optional[Seq] = None  # a prompt prefilled in chunks, not yet decoding
+        self._waiting: deque[Seq] = deque()
         self._done: list[GenerationResult] = []
         slots, dev = self.config.max_running_requests, self.weights.device
         self._last = torch.zeros(slots, dtype=torch.long, device=dev)  # token to feed next
@@ -164,6 +159,8 @@ class GenerationEngine(WeightUpdatesMixin):
         self._min_p = torch.zeros(slots, dtype=torch.float32, device=dev)
         self._lp_sampling = torch.zeros(slots, dtype=torch.bool, device=dev)
         self._budget = torch.zeros(slots, dtype=torch.long, device=dev)  # tokens it may still add
+        # block tables of the running rows (block 0 past a row's own blocks: masked reads)
+        self._tables = torch.zeros((slots, -(-self._max_context // cfg.block_size)), dtype=torch.long, device=dev)
         self._stops = torch.full((slots, 4), -1, dtype=torch.long, device=dev)  # stop ids, -1 pad
         # VL models only: rotary position - cache position of every slot's next token (M-RoPE delta)
         self._delta = None if self.vision is None else torch.zeros(slots, dtype=torch.long, device=dev)
@@ -171,8 +168,11 @@ class GenerationEngine(WeightUpdatesMixin):
         self._one = torch.tensor(1, dtype=torch.long, device=dev)
         self._zero = torch.tensor(0, dtype=torch.long, device=dev)
         self._ids: set[str] = set()
-        self._flags: dict[tuple[int, int], _RowFlags] = {}  # see _row_flags
+        self._flags: dict[tuple[int, int], RowFlags] = {}  # see _row_flags
         self.tokens_generated = 0
+        self.prefill_tokens = 0  # token rows prefills ran through the layers
+        self.prefix_shared_tokens = 0  # prompt tokens whose keys/values came from shared or cached blocks
+        self.preempted = 0  # sequences sent back to the queue for want of KV blocks
         self.nonfinite_requests = 0  # sequences failed for non-finite logits (see _accept)
         self.steps = 0
         self.busy_seconds = 0.0
@@ -248,10 +248,11 @@ class GenerationEngine(WeightUpdatesMixin):
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Queued sequences, and a prompt being prefilled in chunks."""
+        return len(self._waiting) + (self._partial is not None)
 
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting or self._done)
+        return bool(self._running or self._waiting or self._done or self._partial is not None)
 
     # ------------------------------------------------------------ requests
 
@@ -291,7 +292,7 @@ class GenerationEngine(WeightUpdatesMixin):
         moe = self.spec.arch.moe
         record = moe is not None and params.return_routed_experts is not False
         for i, r in enumerate(rids):
-            seq = _Seq(r, rid, i, prompt, params, base + i, frozenset(stop_ids))
+            seq = Seq(r, rid, i, prompt, params, base + i, frozenset(stop_ids))
             if self.vision is not None:
                 seq.images = seq_images
             if record:
@@ -304,7 +305,7 @@ class GenerationEngine(WeightUpdatesMixin):
                 self._waiting.append(seq)
         return rids
 
-    def _finish_now(self, seq: _Seq, reason: dict[str, Any]) -> None:
+    def _finish_now(self, seq: Seq, reason: dict[str, Any]) -> None:
         self._ids.discard(seq.rid)
         self._done.append(seq.result(reason))
 
@@ -312,8 +313,15 @@ class GenerationEngine(WeightUpdatesMixin):
         """Finish the request (all its samples) now; returns what they generated."""
         out = [r for r in self._done if r.request_rid == rid or r.rid == rid]
         self._done = [r for r in self._done if r not in out]
-        for seq in [s for s in self._waiting if s.request_rid == rid or s.rid == rid]:
-            self._waiting.remove(seq)
+        mine = [s for s in self._waiting if s.request_rid == rid or s.rid == rid]
+        p = self._partial
+        if p is not None and (p.request_rid == rid or p.rid == rid):
+            self._partial = None
+            mine.insert(0, p)
+        for seq in mine:
+            if seq is not p:
+                self._waiting.remove(seq)
+            self.pager.release(seq)
             self._ids.discard(seq.rid)
             out.append(seq.result({"type": "abort"}))
         rows = [i for i, s in enumerate(self._running) if s.request_rid == rid or s.rid == rid]
@@ -328,8 +336,10 @@ class GenerationEngine(WeightUpdatesMixin):
             return []
         if mode != "abort":
             raise ValueError(f"pause mode={mode!r}: expected 'abort' or 'retract'")
+        self._unpartial()
         out, self._done = self._done, []
         for seq in list(self._waiting):
+            self.pager.release(seq)
             self._ids.discard(seq.rid)
             out.append(seq.result({"type": "abort"}))
         self._waiting.clear()
@@ -337,15 +347,27 @@ class GenerationEngine(WeightUpdatesMixin):
                                                  for i in range(len(self._running))})]
         return out
 
+    def _unpartial(self) -> None:
+        """A prompt half prefilled goes back to the queue head (its blocks freed)."""
+        if self._partial is not None:
+            self.pager.release(self._partial)
+            self._waiting.appendleft(self._partial)
+            self._partial = None
+
     def _retract(self) -> None:
-        """Running requests go back to the head of the queue (KV recomputed when they rejoin)."""
+        """Running requests go back to the head of the queue (KV recomputed when they rejoin,
+        from the prefix cache where the weights have not changed)."""
+        self._unpartial()
+        for seq in self._running:
+            self.pager.release(seq)
         self._waiting.extendleft(reversed(self._running))
         self._running = []
         self._flags.clear()
 
     def flush_cache(self) -> None:
-        """Drop every KV entry; running requests are re-prefilled at the next step."""
+        """Drop every KV entry, cached prefixes too; running requests are re-prefilled at the next step."""
         self._retract()
+        self.pager.alloc.clear_cache()
 
     # ------------------------------------------------------------ stepping
 
@@ -359,64 +381,7 @@ class GenerationEngine(WeightUpdatesMixin):
         with torch.inference_mode():
             return self._step()
 
-    def _step(self) -> list[GenerationResult]:
-        t0 = time.perf_counter()
-        done, self._done = self._done, []
-        n_old = len(self._running)
-        joined = self._admit()
-        finished: dict[int, dict[str, Any]] = {}
-        if joined:
-            self._prefill(n_old, joined, finished)
-        if n_old:
-            rope = None if self._delta is None else self._pos[:n_old] + self._delta[:n_old]
-            logits = self.decoder.decode(self._last[:n_old], self._pos[:n_old], self.cache, rope)
-            if self.decoder.routing is not None:  # the fed token sits at len(prompt) + len(out) - 1
-                olds = self._running[:n_old]
-                record_decode([s.routed for s in olds], self.decoder.routing,
-                              [len(s.prompt) + len(s.out) - 1 for s in olds])
-            self._accept(0, logits, finished, decode=True)
-        done += [r for _, r in self._remove_rows(finished)]
-        self.steps += 1
-        self.busy_seconds += time.perf_counter() - t0
-        return done
-
-    def _admit(self) -> list[_Seq]:
-        joined: list[_Seq] = []
-        budget = self.config.max_prefill_tokens
-        while self._waiting and len(self._running) < self.cache.slots:
-            n = len(self._waiting[0].prompt) + len(self._waiting[0].out)
-            if joined and n > budget:
-                break
-            seq = self._waiting.popleft()
-            budget -= n
-            joined.append(seq)
-            self._running.append(seq)
-        if joined:
-            self._flags.clear()
-        return joined
-
-    def _prefill(self, row0: int, joined: list[_Seq], finished: dict[int, dict[str, Any]]) -> None:
-        seqs = [s.prompt + s.out for s in joined]
-        lens = [len(x) for x in seqs]
-        P = max(lens)
-        ids = torch.zeros(len(seqs), P, dtype=torch.long)
-        for i, x in enumerate(seqs):
-            ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-        dev = self._pos.device
-        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
-        self._set_slots(row0, joined)
-        rope = images = None
-        if self.vision is not None:
-            rope, images = self.vision.prefill_inputs([(s.images, len(s.out)) for s in joined], P,
-                                                      self.decoder.cos, self.decoder.sin)
-            self._delta[row0:row0 + len(seqs)] = torch.tensor([s.images.delta for s in joined], dtype=torch.long)
-        logits = self.decoder.prefill(ids.to(dev), lens_t, self.cache, row0, rope, images)
-        if self.decoder.routing is not None:
-            record_prefill([s.routed for s in joined], self.decoder.routing, lens)
-        self._pos[row0:row0 + len(seqs)] = lens_t
-        self._accept(row0, logits, finished, decode=False)
-
-    def _set_slots(self, row0: int, joined: list[_Seq]) -> None:
+    def _set_slots(self, row0: int, joined: list[Seq]) -> None:
         """Write the joining requests' settings into their slots' rows."""
         J, dev = len(joined), self._pos.device
         rows = slice(row0, row0 + J)
@@ -443,10 +408,10 @@ class GenerationEngine(WeightUpdatesMixin):
 
     def _slot_tensors(self) -> tuple[torch.Tensor, ...]:
         state = (self._last, self._pos, self._temp, self._top_k, self._top_p, self._min_p, self._lp_sampling,
-                 self._budget, self._stops)
+                 self._budget, self._stops, self._tables)
         return state if self._delta is None else state + (self._delta,)
 
-    def _row_flags(self, row0: int, B: int) -> "_RowFlags":
+    def _row_flags(self, row0: int, B: int) -> "RowFlags":
         """What rows ``row0..row0+B-1`` need beyond greedy decoding; cached until the running
         set changes (a steady decode step then loops over no request in Python)."""
         key = (row0, B)
@@ -457,14 +422,14 @@ class GenerationEngine(WeightUpdatesMixin):
             rows = None
             if sampled and len(sampled) < B:
                 rows = torch.tensor(sampled, device=self._pos.device)
-            flags = _RowFlags(sampled, rows, any(seqs[i].truncates for i in sampled),
+            flags = RowFlags(sampled, rows, any(seqs[i].truncates for i in sampled),
                               any(s.params.logprob_mode != "raw" for s in seqs),
                               any(s.stop_ids for s in seqs),
                               [i for i, s in enumerate(seqs) if s.params.stop])
             self._flags[key] = flags
         return flags
 
-    def _sample_batch(self, row0: int, seqs: list[_Seq], flags: "_RowFlags") -> Optional[SampleBatch]:
+    def _sample_batch(self, row0: int, seqs: list[Seq], flags: "RowFlags") -> Optional[SampleBatch]:
         if not flags.sampled:
             return None
         uniform = torch.tensor([seqs[i].rng.random() for i in flags.sampled], dtype=torch.float64,
@@ -523,7 +488,7 @@ class GenerationEngine(WeightUpdatesMixin):
             if reason is not None:
                 finished[row0 + i] = reason
 
-    def _finish_reason(self, seq: _Seq, tok: int) -> Optional[dict[str, Any]]:
+    def _finish_reason(self, seq: Seq, tok: int) -> Optional[dict[str, Any]]:
         if tok in seq.stop_ids:
             return {"type": "stop", "matched": tok}
         if seq.params.stop:
@@ -546,9 +511,11 @@ class GenerationEngine(WeightUpdatesMixin):
         for row in sorted(finished, reverse=True):
             seq = self._running[row]
             last = len(self._running) - 1
+            self.pager.release(seq)
             if row != last:
                 moved = self._running[last]
-                self.cache.move(last, row, int(self._pos[last]))
+                if self.cache is not None:
+                    self.cache.move(last, row, int(self._pos[last]))
                 for t in self._slot_tensors():
                     t[row] = t[last]
                 self._running[row] = moved
@@ -591,7 +558,10 @@ class GenerationEngine(WeightUpdatesMixin):
                 "nonfinite_requests": float(self.nonfinite_requests),
                 "busy_seconds": self.busy_seconds, "running_requests": float(len(self._running)),
                 "queued_requests": float(len(self._waiting)), "weight_version": float(self.version),
-                "kv_cache_bytes": float(self.cache.nbytes)}
+                "kv_cache_bytes": float(self.pool.nbytes + (self.cache.nbytes if self.cache is not None else 0)),
+                "kv_blocks": float(self.pager.alloc.num_blocks), "kv_blocks_used": float(self.pager.alloc.used_blocks),
+                "prefill_tokens": float(self.prefill_tokens), "prefix_shared_tokens": float(self.prefix_shared_tokens),
+                "prefix_cache_hits": float(self.pager.alloc.hits), "preempted_requests": float(self.preempted)}
 
 
 def _try_tokenizer(path: str) -> Any:

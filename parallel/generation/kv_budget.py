@@ -15,7 +15,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["free_bytes", "slot_bytes", "fit_slots"]
+from parallel.generation.blocks import blocks_for
+from parallel.generation.paged_cache import block_bytes
+
+__all__ = ["free_bytes", "slot_bytes", "fit_slots", "kv_layout"]
 
 logger = logging.getLogger("realflow.generation")
 
@@ -40,12 +43,14 @@ def slot_bytes(num_layers: int, kv_groups: int, head_dim: int, max_len: int, dty
     return 2 * num_layers * kv_groups * head_dim * max_len * torch.empty((), dtype=dtype).element_size()
 
 
-def fit_slots(requested: int, per_slot: int, free: Optional[int], fraction: float, where: str) -> int:
-    """``requested`` if ``requested * per_slot`` fits in ``fraction`` of ``free`` bytes, else the
-    most that fit (at least 1, else ValueError). ``fraction`` 0 or an unknown ``free``: no limit."""
+def fit_slots(requested: int, per_slot: int, free: Optional[int], fraction: float, where: str,
+              reserve: int = 0) -> int:
+    """``requested`` if ``requested * per_slot + reserve`` fits in ``fraction`` of ``free`` bytes,
+    else the most that fit (at least 1, else ValueError). ``fraction`` 0 or an unknown ``free``:
+    no limit."""
     if fraction <= 0 or free is None:
         return requested
-    budget = int(free * fraction)
+    budget = int(free * fraction) - reserve
     fits = budget // max(per_slot, 1)
     if fits >= requested:
         return requested
@@ -59,3 +64,40 @@ def fit_slots(requested: int, per_slot: int, free: Optional[int], fraction: floa
                    "(%g of %.2f GiB free): running %d sequences at a time instead", requested,
                    requested * per_slot / gib, where, budget / gib, fraction, free / gib, fits)
     return int(fits)
+
+
+def kv_layout(spec, slots: int, max_len: int, block_size: int, dtype: torch.dtype, device: torch.device,
+              fraction: float, contiguous: bool, kv_blocks: Optional[int] = None) -> tuple[int, int]:
+    """``(rows, blocks)``: how many sequences decode together and how many KV blocks the pool has.
+
+    Paged decode: ``slots`` rows, and as many blocks as ``fraction`` of the free memory holds (at
+    most enough for every row at ``max_len``; sequences are shorter on average, so fewer blocks
+    serve all rows and a full pool preempts the newest sequence). Contiguous decode (CPU) keeps a
+    ``max_len`` copy per row beside the pool: rows are fitted as before paging, each with a full
+    sequence's blocks. ``kv_blocks`` fixes the pool's size (tests, tuning). Either way at least
+    one ``max_len`` sequence must fit, else the error names what to change.
+    """
+    full = blocks_for(max_len, block_size)
+    per_block = block_bytes(spec, block_size, dtype)
+    scratch = per_block // block_size  # the pool's scratch row (padding writes)
+    where = f"device {device}"
+    if contiguous:
+        per_row = slot_bytes(spec.num_layers, spec.local_groups, spec.head_dim, max_len, dtype) + full * per_block
+        rows = fit_slots(slots, per_row, free_bytes(device), fraction, where, scratch)
+        return rows, (kv_blocks if kv_blocks is not None else rows * full)
+    if kv_blocks is not None:
+        blocks = kv_blocks
+    else:
+        free = free_bytes(device)
+        blocks = slots * full if fraction <= 0 or free is None else \
+            min(slots * full, (int(free * fraction) - scratch) // per_block)
+        if blocks < full:
+            gib = 2 ** 30
+            raise ValueError(f"generation KV cache: one sequence of max_model_len={max_len} needs {full} blocks "
+                             f"({full * per_block / gib:.2f} GiB) but {where} has {int((free or 0) * fraction) / gib:.2f}"
+                             f" GiB for it ({fraction:g} of {(free or 0) / gib:.2f} GiB free); lower max_model_len "
+                             f"(prompt + new tokens), raise gpu_memory_utilization or use tensor parallelism")
+    if blocks < full:
+        raise ValueError(f"kv_blocks={blocks}: one sequence of max_model_len={max_len} needs {full} blocks of "
+                         f"{block_size} tokens")
+    return slots, blocks

@@ -55,14 +55,15 @@ def new_buffer(routing_dtype: torch.dtype, layers: int, topk: int, capacity: int
 
 
 def record_prefill(buffers: Sequence[Optional[RoutingBuffer]], routing: torch.Tensor,
-                   lens: Sequence[int]) -> None:
-    """A prefill's routing ``[J, P, layers, k]`` into the buffers of its ``J`` rows (None: not recorded)."""
+                   lens: Sequence[int], starts: Optional[Sequence[int]] = None) -> None:
+    """A prefill's routing ``[J, P, layers, k]`` into the buffers of its ``J`` rows (None: not
+    recorded); row ``i`` ran positions ``starts[i] .. starts[i] + lens[i] - 1`` (a chunk)."""
     if not any(b is not None for b in buffers):
         return
     arr = routing.cpu().numpy()
     for i, b in enumerate(buffers):
         if b is not None:
-            b.write(0, arr[i, : lens[i]])
+            b.write(0 if starts is None else starts[i], arr[i, : lens[i]])
 
 
 def record_decode(buffers: Sequence[Optional[RoutingBuffer]], routing: torch.Tensor,

@@ -1,0 +1,225 @@
+"""One step of the generation engine on the paged KV pool: admit, prefill, decode.
+
+A step (:meth:`SteppingMixin._step`):
+
+1. gives every running row the block its next token goes into -- a new block at a block
+   boundary, a private copy of a group's shared last block (copy-on-write); when the pool is
+   full the newest rows are preempted (back to the queue head, re-prefilled later);
+2. admits queued sequences within ``max_prefill_tokens``: a sample whose request's leader joins
+   in the same step shares the leader's prompt blocks instead of prefilling them (its first
+   token is sampled from the leader's logits with its own seed); a prompt starting with cached
+   blocks prefills only the rest; a prompt longer than the budget is prefilled in chunks over
+   several steps (``_partial``) while the others keep decoding;
+3. decodes one token for every row that was running before the step.
+
+Vision-language prompts are never chunked nor looked up in the cache (the tower runs on the
+whole prompt at once), but their groups share a prompt like text ones.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from parallel.generation.blocks import OutOfBlocks
+from parallel.generation.routing import record_decode, record_prefill
+from parallel.generation.sequence import Seq
+from realflow.api.generation import GenerationResult
+
+__all__ = ["SteppingMixin"]
+
+
+class SteppingMixin:
+    """Needs the engine's queues, slot tensors, ``pager``, ``pool``, ``cache``, ``decoder``, ``vision``,
+    ``_accept``, ``_set_slots`` and ``_remove_rows`` (:mod:`parallel.generation.engine`)."""
+
+    def _step(self) -> list[GenerationResult]:
+        t0 = time.perf_counter()
+        done, self._done = self._done, []
+        n_old = self._prepare_decode()
+        finished: dict[int, dict[str, Any]] = {}
+        jobs, joined = self._admit()
+        if jobs:
+            self._prefill(n_old, jobs, joined, finished)
+        if n_old:
+            self._decode(n_old, finished)
+        done += [r for _, r in self._remove_rows(finished)]
+        self.steps += 1
+        self.busy_seconds += time.perf_counter() - t0
+        return done
+
+    # ------------------------------------------------------------ blocks for decode
+
+    def _prepare_decode(self) -> int:
+        """Blocks for every running row's next write; returns the rows left after preemption."""
+        B = len(self._running)
+        if not B:
+            return 0
+        bs = self.pager.bs
+        pos = self._pos[:B]
+        rows = (pos % bs == 0).nonzero().flatten().tolist() if B else []
+        if any(s.cow for s in self._running):
+            rows = sorted(set(rows).union(i for i, s in enumerate(self._running) if s.cow))
+        for i in rows:
+            while i < len(self._running):
+                seq = self._running[i]
+                p = len(seq.prompt) + len(seq.out) - 1  # the fed token's position
+                try:
+                    block, changed = self.pager.write_block(seq, p)
+                except OutOfBlocks:
+                    self._preempt_last()
+                    continue
+                if changed:
+                    self._tables[i, p // bs] = block
+                break
+        return len(self._running)
+
+    def _preempt_last(self) -> None:
+        """The newest running row goes back to the head of the queue, its blocks freed."""
+        if len(self._running) <= 1:
+            raise RuntimeError(f"generation KV pool: {self.pager.alloc.num_blocks} blocks do not hold one "
+                               f"sequence's next token; raise kv_blocks or gpu_memory_utilization")
+        seq = self._running.pop()
+        self.pager.release(seq)
+        self._waiting.appendleft(seq)
+        self._flags.clear()
+        self.preempted += 1
+
+    # ------------------------------------------------------------ admission
+
+    def _admit(self) -> tuple[list[tuple[Seq, int, int]], list[tuple[Seq, int]]]:
+        """``(jobs, joined)``: prefill jobs ``(seq, start, end)`` (token range to run) and the
+        sequences that start decoding, each with the job whose logits give its first token."""
+        jobs: list[tuple[Seq, int, int]] = []
+        joined: list[tuple[Seq, int]] = []
+        budget = self.config.max_prefill_tokens
+        chunking = self.vision is None
+        if self._partial is not None:  # a chunked prompt goes on first
+            seq = self._partial
+            n = len(seq.prompt) + len(seq.out)
+            end = min(n, seq.computed + budget)
+            if not self._take_blocks(seq, end):
+                return jobs, joined
+            jobs.append((seq, seq.computed, end))
+            budget -= end - seq.computed
+            if end < n:
+                return jobs, joined
+            self._partial = None
+            joined.append((seq, 0))
+        leaders: dict[str, int] = {}  # request -> its leader's job, fresh samples only
+        slots = self.config.max_running_requests
+        while self._waiting and len(self._running) + len(joined) < slots:
+            seq = self._waiting[0]
+            lead = leaders.get(seq.request_rid) if not seq.out and self.pager.sharing else None
+            if lead is not None:
+                self._waiting.popleft()
+                joined.append((seq, lead))
+                continue
+            n = len(seq.prompt) + len(seq.out)
+            start = self.pager.cached_prefix(seq)
+            need = n - start
+            if jobs and need > budget:
+                self.pager.release(seq)
+                break
+            end = n if need <= budget or not chunking else start + budget
+            if not self._take_blocks(seq, end):
+                self.pager.release(seq)
+                break
+            self._waiting.popleft()
+            self.prefix_shared_tokens += start
+            jobs.append((seq, start, end))
+            budget -= end - start
+            if end < n:  # the rest in later steps
+                self._partial = seq
+                break
+            joined.append((seq, len(jobs) - 1))
+            if not seq.out:
+                leaders[seq.request_rid] = len(jobs) - 1
+        if joined:
+            self._flags.clear()
+        return jobs, joined
+
+    def _take_blocks(self, seq: Seq, end: int) -> bool:
+        try:
+            self.pager.grow(seq, end)
+            return True
+        except OutOfBlocks:
+            return False
+
+    # ------------------------------------------------------------ prefill
+
+    def _prefill(self, row0: int, jobs: list[tuple[Seq, int, int]], joined: list[tuple[Seq, int]],
+                 finished: dict[int, dict[str, Any]]) -> None:
+        seqs = [j[0] for j in jobs]
+        starts, ends = [j[1] for j in jobs], [j[2] for j in jobs]
+        lens = [b - a for a, b in zip(starts, ends)]
+        P, dev = max(lens), self._pos.device
+        ids = torch.zeros(len(jobs), P, dtype=torch.long)
+        for i, (s, a, b) in enumerate(jobs):
+            toks = s.tokens()
+            ids[i, : b - a] = torch.tensor(toks[a:b], dtype=torch.long)
+        write_rows = self.pager.rows(seqs, starts, ends, P)
+        ctx_rows = None if not any(starts) else self.pager.rows(seqs, [0] * len(jobs), ends, max(ends))
+        rope = images = None
+        if self.vision is not None:  # VL rows always start at 0 (never chunked nor cached)
+            rope, images = self.vision.prefill_inputs([(s.images, len(s.out)) for s in seqs], P,
+                                                      self.decoder.cos, self.decoder.sin)
+        logits = self.decoder.extend(ids.to(dev), torch.tensor(starts, device=dev), torch.tensor(lens, device=dev),
+                                     self.pool, write_rows, ctx_rows, rope, images)
+        if self.decoder.routing is not None:
+            record_prefill([s.routed for s in seqs], self.decoder.routing, lens, starts)
+        self.prefill_tokens += sum(lens)
+        for s, b in zip(seqs, ends):
+            s.computed = b
+            self.pager.register(s, b)
+        if not joined:
+            return
+        for seq, j in joined:
+            if seq is not seqs[j]:  # a sample sharing its leader's prompt
+                leader = seqs[j]
+                self.pager.fork(leader, seq)
+                self.prefix_shared_tokens += leader.computed
+                if seq.routed is not None and leader.routed is not None:
+                    seq.routed.write(0, leader.routed.buf[: leader.routed.n])
+        new = [s for s, _ in joined]
+        self._running += new
+        self._set_slots(row0, new)
+        J = len(new)
+        for i, s in enumerate(new):
+            self._tables[row0 + i] = self.pager.table_row(s, self._tables.shape[1]).to(dev)
+        if self.vision is not None:
+            self._delta[row0:row0 + J] = torch.tensor([s.images.delta for s in new], dtype=torch.long)
+        n_tok = torch.tensor([s.computed for s in new], dtype=torch.long, device=dev)
+        if self.cache is not None:  # the rows' contiguous copies, from the pool
+            rows = self.pager.rows(new, [0] * J, [s.computed for s in new], int(n_tok.max()))
+            for li in range(self.spec.num_layers):
+                k, v = self.pool.read(li, rows)
+                self.cache.write_prefix(li, row0, k.transpose(1, 2), v.transpose(1, 2))
+        self._pos[row0:row0 + J] = n_tok
+        src = torch.tensor([j for _, j in joined], device=logits.device)
+        self._accept(row0, logits.index_select(0, src), finished, decode=False)
+
+    # ------------------------------------------------------------ decode
+
+    def _decode(self, B: int, finished: dict[int, dict[str, Any]]) -> None:
+        bs = self.pager.bs
+        pos = self._pos[:B]
+        block = self._tables[:B].gather(1, (pos // bs)[:, None]).squeeze(1)
+        pool_rows = block * bs + pos % bs
+        rope = None if self._delta is None else pos + self._delta[:B]
+        ctx_rows: Optional[torch.Tensor] = None
+        if self.cache is None:  # paged: each row's tokens 0..L-1 through its block table
+            t = self.decoder._positions[: int(pos.max()) + 1]
+            ctx_rows = self._tables[:B][:, t // bs] * bs + t % bs
+        logits = self.decoder.decode(self._last[:B], pos, self.cache, rope, self.pool, pool_rows, ctx_rows)
+        olds = self._running[:B]
+        if self.decoder.routing is not None:  # the fed token sits at len(prompt) + len(out) - 1
+            record_decode([s.routed for s in olds], self.decoder.routing,
+                          [len(s.prompt) + len(s.out) - 1 for s in olds])
+        if self.pager.sharing:  # blocks this token filled go into the prefix cache
+            for i in ((pos + 1) % bs == 0).nonzero().flatten().tolist():
+                s = olds[i]
+                s.computed = len(s.prompt) + len(s.out)
+                self.pager.register(s, s.computed)
+        self._accept(0, logits, finished, decode=True)

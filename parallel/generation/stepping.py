@@ -108,6 +108,8 @@ class SteppingMixin:
             self._partial = None
             joined.append((seq, 0))
         leaders: dict[str, int] = {}  # request -> its leader's job, fresh samples only
+        if joined and not joined[0][0].out:
+            leaders[joined[0][0].request_rid] = 0
         slots = self.config.max_running_requests
         while self._waiting and len(self._running) + len(joined) < slots:
             seq = self._waiting[0]

@@ -244,3 +244,36 @@ def test_bad_settings_are_one_line(ckpts, kw, match):
     path, _ = ckpts["qwen2"]
     with pytest.raises(ValueError, match=match):
         _engine(path, **kw)
+
+
+def test_cuda_graph_static_buffers_run_eagerly_on_cpu(ckpts):
+    """The code CUDA graphs replay (rows padded to a bucket, context padded to a block bucket,
+    padding writing the scratch row), run eagerly: the same tokens and log-probs as the eager
+    paged step, through joins, finishes, a shared group and a weight update."""
+    from parallel.generation.cuda_graphs import DecodeGraphs, bucket
+
+    assert [bucket(n, 8) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 8]
+    (pa, ma), (pb, mb) = ckpts["qwen2"], ckpts["qwen2_b"]
+    eng = _engine(pa, max_running_requests=6, block_size=4, decode_attention="paged")
+    assert eng.graphs is None  # no CUDA here
+    eng.graphs = DecodeGraphs(eng.decoder, eng.pool, 6, eng._tables.shape[1], capture=True)
+    assert not eng.graphs.capture  # capture needs CUDA: the static buffers run eagerly
+    eng.add_request("g", PROMPTS[3], SamplingParams(max_new_tokens=10, n=3, seed=4, ignore_eos=True))
+    eng.add_request("a", PROMPTS[1], greedy(6))
+    results = [r for _ in range(4) for r in eng.step()]
+    eng.add_request("b", PROMPTS[5], greedy(9))
+    results = drain(eng, results)
+    ref = _engine(pa, max_running_requests=6, block_size=4, decode_attention="paged")
+    ref.add_request("g", PROMPTS[3], SamplingParams(max_new_tokens=10, n=3, seed=4, ignore_eos=True))
+    ref.add_request("a", PROMPTS[1], greedy(6))
+    expect = [r for _ in range(4) for r in ref.step()]
+    ref.add_request("b", PROMPTS[5], greedy(9))
+    expect = {r.rid: r for r in drain(ref, expect)}
+    for r in results:
+        assert r.output_ids == expect[r.rid].output_ids
+        assert max(abs(x - y) for x, y in zip(r.output_logprobs, expect[r.rid].output_logprobs)) < 1e-5
+    assert_logprobs(ma, next(r for r in results if r.rid == "b"))
+    eng.update_weights_from_disk(pb)
+    after = eng.generate([PROMPTS[4]], greedy(8))[0]
+    assert after.output_ids == hf_greedy(mb, PROMPTS[4], 8)
+    all_free(eng)

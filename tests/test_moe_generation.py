@@ -81,6 +81,20 @@ def test_greedy_equals_transformers_and_routing_is_the_routers(engine, moe):
         check_routing(model, p, r.output_ids, r.routed_experts)
 
 
+def test_a_group_sharing_its_prompt_and_a_chunked_prompt_keep_their_routing(moe):
+    """The n samples of a request share the prompt their leader prefilled (its routing rows are
+    copied), and a prompt prefilled in chunks records each chunk's rows at their positions."""
+    from parallel.generation import EngineConfig, GenerationEngine
+
+    _, model = moe
+    eng = GenerationEngine.from_hf(moe[0], EngineConfig(max_running_requests=4, block_size=4, max_prefill_tokens=5))
+    group = eng.generate([PROMPTS[2]], SamplingParams(max_new_tokens=8, n=3, seed=3, ignore_eos=True))
+    assert eng.stats()["prefix_shared_tokens"] == 2 * len(PROMPTS[2])
+    for r in group:
+        check_routing(model, PROMPTS[2], r.output_ids, r.routed_experts)
+    assert len({tuple(r.output_ids) for r in group}) > 1
+
+
 def test_expert_path_without_cpu_copies_gives_the_same_answers(moe):
     """The GPU path (no transposed CPU copies: ``F.linear`` on the shared expert weights) equals the CPU one."""
     from parallel.generation import EngineConfig, GenerationEngine

@@ -10,7 +10,9 @@ assertions on CPU (to check the test itself on a machine without a GPU).
 * bf16 parameters on the GPU (megatron's mixed-precision optimizer): the loss follows
   the fp32 run within BF16_LOSS_RTOL.
 * The generation engine on the GPU, from an HF checkpoint and sharing a megatron
-  engine's parameters: greedy tokens equal transformers' greedy decoding on the CPU.
+  engine's parameters: greedy tokens equal transformers' greedy decoding on the CPU, with the
+  paged decode replayed from CUDA graphs and with ``enforce_eager``; a sampled group gives the
+  same tokens both ways.
 * The runtime on one GPU worker (NCCL beside gloo): SFT's per-step losses at
   ``precision=fp32`` equal the same run on the CPU (RUN_LOSS_RTOL), and the GPU default
   (bf16 parameters) follows them within BF16_RUN_RTOL; sync GRPO and async PPO (gen
@@ -95,12 +97,18 @@ def case_generation(ctx):
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     out = {}
     from_hf = GenerationEngine.from_hf(path, EngineConfig(max_running_requests=4), tokenizer=None)
+    eager = GenerationEngine.from_hf(path, EngineConfig(max_running_requests=4, enforce_eager=True), tokenizer=None)
     meg = MegatronEngine(cfg, groups, path, optimizer_config=None, seed=1)
     shared = GenerationEngine.from_megatron(meg, EngineConfig(max_running_requests=4))
-    for name, eng in (("from_hf", from_hf), ("from_megatron", shared)):
+    for name, eng in (("from_hf", from_hf), ("from_hf_eager", eager), ("from_megatron", shared)):
         res = eng.generate(prompts, greedy)
         out[name] = {"device": str(eng.weights.device), "tokens": [r.output_ids for r in res],
-                     "logprobs": [list(map(float, r.output_logprobs)) for r in res]}
+                     "logprobs": [list(map(float, r.output_logprobs)) for r in res],
+                     "graphs": eng.stats()["cuda_graphs"]}
+    # a sampled group (shared prompt, copy-on-write) replayed from CUDA graphs equals the eager step
+    group = SamplingParams(max_new_tokens=12, n=4, seed=5, ignore_eos=True)
+    out["group"] = {name: [r.output_ids for r in eng.generate([prompts[2]], group)]
+                    for name, eng in (("graphs", from_hf), ("eager", eager))}
     out["prompts"] = prompts
     return out
 
@@ -174,7 +182,10 @@ def test_generation_on_device_equals_transformers_greedy(cases):
     path = str(out / "qwen2_gen")
     make_tiny_hf(path, "qwen2", seed=7, tie_word_embeddings=False)
     hf = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    for name in ("from_hf", "from_megatron"):
+    if ON_GPU:  # the paged decode runs from CUDA graphs unless enforce_eager
+        assert data["from_hf"]["graphs"] > 0 and data["from_hf_eager"]["graphs"] == 0
+    assert data["group"]["graphs"] == data["group"]["eager"]
+    for name in ("from_hf", "from_hf_eager", "from_megatron"):
         assert data[name]["device"].startswith(DEVICE), data[name]
         for p, toks, lps in zip(data["prompts"], data[name]["tokens"], data[name]["logprobs"]):
             seq = list(p)

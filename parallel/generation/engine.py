@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from parallel.generation.adapters import AdapterMerger
 from parallel.generation.blocks import BlockAllocator
+from parallel.generation.cuda_graphs import DecodeGraphs, decode_graphs_for
 from parallel.generation.decoder import Decoder, KVCache
 from parallel.generation.paged_cache import PagedKVCache
 from parallel.generation.pager import Pager
@@ -179,6 +180,7 @@ class GenerationEngine(SteppingMixin, WeightUpdatesMixin):
         self._staged: Optional[tuple[int, DecoderWeights, Optional[dict]]] = None  # see stage_weights_from_tensors
         self.adapters = AdapterMerger("")  # LoRA updates merge into the base (set by from_hf)
         self.adapter_scaling: Optional[float] = None  # alpha / r of a LoRA run's adapter updates
+        self.graphs: Optional[DecodeGraphs] = decode_graphs_for(self)  # GPU: CUDA graphs of the paged decode
 
     # ------------------------------------------------------------ construction
 
@@ -561,7 +563,8 @@ class GenerationEngine(SteppingMixin, WeightUpdatesMixin):
                 "kv_cache_bytes": float(self.pool.nbytes + (self.cache.nbytes if self.cache is not None else 0)),
                 "kv_blocks": float(self.pager.alloc.num_blocks), "kv_blocks_used": float(self.pager.alloc.used_blocks),
                 "prefill_tokens": float(self.prefill_tokens), "prefix_shared_tokens": float(self.prefix_shared_tokens),
-                "prefix_cache_hits": float(self.pager.alloc.hits), "preempted_requests": float(self.preempted)}
+                "prefix_cache_hits": float(self.pager.alloc.hits), "preempted_requests": float(self.preempted),
+                "cuda_graphs": float(self.graphs.captured if self.graphs is not None else 0)}
 
 
 def _try_tokenizer(path: str) -> Any:

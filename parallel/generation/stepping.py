@@ -31,7 +31,7 @@ __all__ = ["SteppingMixin"]
 
 
 class SteppingMixin:
-    """Needs the engine's queues, slot tensors, ``pager``, ``pool``, ``cache``, ``decoder``, ``vision``,
+    """Needs the engine's queues, slot tensors, ``pager``, ``pool``, ``cache``, ``graphs``, ``decoder``, ``vision``,
     ``_accept``, ``_set_slots`` and ``_remove_rows`` (:mod:`parallel.generation.engine`)."""
 
     def _step(self) -> list[GenerationResult]:
@@ -210,11 +210,14 @@ class SteppingMixin:
         block = self._tables[:B].gather(1, (pos // bs)[:, None]).squeeze(1)
         pool_rows = block * bs + pos % bs
         rope = None if self._delta is None else pos + self._delta[:B]
-        ctx_rows: Optional[torch.Tensor] = None
-        if self.cache is None:  # paged: each row's tokens 0..L-1 through its block table
-            t = self.decoder._positions[: int(pos.max()) + 1]
-            ctx_rows = self._tables[:B][:, t // bs] * bs + t % bs
-        logits = self.decoder.decode(self._last[:B], pos, self.cache, rope, self.pool, pool_rows, ctx_rows)
+        if self.graphs is not None:  # paged, replayed from static buffers (parallel.generation.cuda_graphs)
+            logits = self.graphs.run(self._last[:B], pos, self._tables[:B], pool_rows)
+        else:
+            ctx_rows: Optional[torch.Tensor] = None
+            if self.cache is None:  # paged: each row's tokens 0..L-1 through its block table
+                t = self.decoder._positions[: int(pos.max()) + 1]
+                ctx_rows = self._tables[:B][:, t // bs] * bs + t % bs
+            logits = self.decoder.decode(self._last[:B], pos, self.cache, rope, self.pool, pool_rows, ctx_rows)
         olds = self._running[:B]
         if self.decoder.routing is not None:  # the fed token sits at len(prompt) + len(out) - 1
             record_decode([s.routed for s in olds], self.decoder.routing,

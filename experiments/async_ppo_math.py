@@ -73,6 +73,13 @@ class AsyncRolloutConfig:
     max_model_len: Optional[int] = field(default=None, metadata={
         "help": "prompt + new tokens of one sequence on a generation server, the length of each KV-cache slot "
                 "(None = the model's context; SGLang: context_length)"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "GPU: generation servers decode without CUDA graphs (on by default: captured per batch size)"})
+    kv_block_size: int = field(default=16, metadata={
+        "help": "tokens per KV block of a generation server's paged cache (a power of two)"})
+    prefix_sharing: bool = field(default=True, metadata={
+        "help": "a group's samples prefill their prompt once and share its KV blocks; prompts that start "
+                "with cached blocks (an agent's earlier turns) reuse them"})
     backend: str = field(default="builtin", metadata={"help": "generation backend: builtin | sglang"})
     precision: str = field(default="auto", metadata={
         "help": "the generation servers' weights and compute: auto (the actor's precision) | fp32 | bf16; a "
@@ -86,6 +93,9 @@ class AsyncRolloutConfig:
         check_inference_memory(self.gpu_memory_utilization, self.max_model_len, prefix="rollout.")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"rollout.precision={self.precision!r} must be auto, fp32 or bf16")
+        b = self.kv_block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1 or b & (b - 1):
+            raise ValueError(f"rollout.kv_block_size={b!r} must be a power of two (tokens per KV block; 16 is usual)")
 
 
 @dataclass
@@ -190,6 +200,7 @@ class _AsyncBase(_RLBase):
                 lora=_served_lora(models[ACTOR]),
                 max_running_requests=r.max_running_requests, n_rollout_workers=r.n_rollout_workers,
                 gpu_memory_utilization=r.gpu_memory_utilization, max_model_len=r.max_model_len, precision=r.precision,
+                enforce_eager=r.enforce_eager, kv_block_size=r.kv_block_size, prefix_sharing=r.prefix_sharing,
                 max_concurrent_rollouts=r.max_concurrent_rollouts, agent=r.agent, agent_args=agent_args,
                 max_head_offpolicyness=r.max_head_offpolicyness, train_batch_size=self.batch_size,
                 weight_sync=r.weight_sync, weight_broadcast_timeout_s=r.weight_broadcast_timeout_s,

@@ -21,13 +21,14 @@ def build_builtin_backend(cfg: BackendConfig) -> GenerationEngine:
     """A single-process (tp = 1) :class:`GenerationEngine` on ``cfg.model_path``."""
     if cfg.dtype not in _DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r}: expected one of {sorted(_DTYPES)}")
-    unknown = sorted(set(cfg.extra) - {"max_prefill_tokens"})
+    unknown = sorted(set(cfg.extra) - {"max_prefill_tokens", "decode_attention", "kv_blocks"})
     if unknown:
         raise ValueError(f"builtin backend: unknown option(s) {unknown}")
     tokenizer = _try_tokenizer(cfg.tokenizer_path or cfg.model_path)
     econf = EngineConfig(max_running_requests=cfg.max_running_requests, max_model_len=cfg.max_model_len,
-                         gpu_memory_utilization=cfg.gpu_memory_utilization,
-                         seed=cfg.seed, **cfg.extra)
+                         gpu_memory_utilization=cfg.gpu_memory_utilization, seed=cfg.seed,
+                         block_size=cfg.kv_block_size, prefix_sharing=cfg.prefix_sharing,
+                         enforce_eager=cfg.enforce_eager, **cfg.extra)
     engine = GenerationEngine.from_hf(cfg.model_path, econf, tokenizer=tokenizer, dtype=_DTYPES[cfg.dtype])
     if cfg.lora:
         engine.adapter_scaling = float(cfg.lora["alpha"]) / float(cfg.lora["r"])

@@ -52,6 +52,10 @@ def sglang_command(cfg: BackendConfig, host: str, port: int) -> list[str]:
     cmd += ["--mem-fraction-static", str(cfg.gpu_memory_utilization)]
     if cfg.max_model_len:
         cmd += ["--context-length", str(cfg.max_model_len)]
+    if cfg.enforce_eager:
+        cmd.append("--disable-cuda-graph")
+    if not cfg.prefix_sharing:
+        cmd.append("--disable-radix-cache")
     if cfg.lora:  # LoRA serving: adapters load through /load_lora_adapter (realflow.weights.rounds)
         cmd += ["--enable-lora", "--max-lora-rank", str(cfg.lora["r"]), "--max-loras-per-batch", "1"]
         if cfg.lora.get("target_modules"):

@@ -289,6 +289,9 @@ class BackendConfig:
     gpu_memory_utilization: float = 0.9  # of the device's free memory, for the KV cache (see check_inference_memory)
     dtype: str = "float32"
     seed: int = 0
+    enforce_eager: bool = False  # GPU: no CUDA graphs for decode (SGLang: --disable-cuda-graph)
+    kv_block_size: int = 16  # tokens per KV block, a power of two (built-in engine)
+    prefix_sharing: bool = True  # sequences share a common prefix's KV blocks (SGLang: radix cache)
     extra: dict[str, Any] = field(default_factory=dict)
     #: the policy trains LoRA adapters: ``{"r", "alpha", "target_modules"}``; weight updates then carry
     #: adapters only (PEFT names), which the server applies to the base it was started from

@@ -72,6 +72,9 @@ class RolloutSpec:
     max_running_requests: int = 64
     gpu_memory_utilization: float = 0.9  # per server: see realflow.api.generation.check_inference_memory
     max_model_len: Optional[int] = None  # per server: prompt + new tokens per sequence (None = the model's context)
+    enforce_eager: bool = False  # per server, GPU: decode without CUDA graphs
+    kv_block_size: int = 16  # per server: tokens per KV block
+    prefix_sharing: bool = True  # per server: a group's samples prefill their prompt once
     precision: str = "auto"  # the servers' weights: auto (the served model's precision) | fp32 | bf16
     n_rollout_workers: int = 1
     max_concurrent_rollouts: int = 32  # per rollout worker

@@ -456,6 +456,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(SGLang: --mem-fraction-static)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--enforce-eager", action="store_true", help="GPU: decode without CUDA graphs")
+    ap.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block (a power of two)")
+    ap.add_argument("--no-prefix-sharing", action="store_true",
+                    help="every sequence prefills its own prompt (no shared or cached KV blocks)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     ap.add_argument("--log-requests", default=None, metavar="FILE",
                     help="append the first --log-requests-max answered sequences (prompt and answer ids and text) "
@@ -486,7 +490,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = BackendConfig(model_path=a.model, tokenizer_path=a.tokenizer,
                         max_running_requests=a.max_running_requests, max_model_len=a.max_model_len,
                         gpu_memory_utilization=a.gpu_memory_utilization,
-                        dtype=a.dtype, seed=a.seed)
+                        dtype=a.dtype, seed=a.seed, enforce_eager=a.enforce_eager,
+                        kv_block_size=a.kv_block_size, prefix_sharing=not a.no_prefix_sharing)
     if (a.lora_r is None) != (a.lora_alpha is None):
         ap.error("--lora-r and --lora-alpha go together")
     if a.lora_r is not None:

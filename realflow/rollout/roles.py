@@ -58,6 +58,8 @@ def run_gen_server(setup: ExperimentSetup, index: int, secret: bytes) -> int:
     cfg = BackendConfig(model_path=spec.model_path, tokenizer_path=spec.tokenizer_path,
                         max_running_requests=spec.max_running_requests, seed=spec.seed * 1000 + index,
                         max_model_len=spec.max_model_len, gpu_memory_utilization=spec.gpu_memory_utilization,
+                        enforce_eager=spec.enforce_eager, kv_block_size=spec.kv_block_size,
+                        prefix_sharing=spec.prefix_sharing,
                         dtype="bfloat16" if precision == "bf16" else "float32", lora=spec.lora)
     backend = generation_backends.get(spec.backend)(cfg)
     resolver = make_name_resolver(setup.name_resolve_config())

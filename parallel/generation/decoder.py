@@ -83,6 +83,11 @@ class KVCache:
         pos_bg = pos[:, None].expand(-1, self.groups).reshape(n, 1)
         return (self._k_base[:n].add(pos_bg).view(-1), self._v_base[:n].add(pos_bg.view(n)))
 
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
+        """Copy slots ``src``' first ``length`` positions into slots ``dst`` (disjoint)."""
+        self.kt[:, dst, :, :, :length] = self.kt[:, src, :, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s first ``length`` positions into slot ``dst``."""
         self.kt[:, dst, :, :, :length] = self.kt[:, src, :, :, :length]

@@ -506,25 +506,31 @@ class GenerationEngine(SteppingMixin, WeightUpdatesMixin):
 
     @torch.inference_mode()
     def _remove_rows(self, finished: dict[int, dict[str, Any]]) -> list[tuple[int, GenerationResult]]:
-        """Remove rows (highest first), filling each hole with the last row (compact batch)."""
+        """Remove rows, moving the last surviving rows into the holes (a compact batch); all
+        the moves are one indexed copy per tensor, whatever the number of rows."""
+        if not finished:
+            return []
+        self._flags.clear()
+        n = len(self._running)
+        n_new = n - len(finished)
         out = []
-        if finished:
-            self._flags.clear()
-        for row in sorted(finished, reverse=True):
+        for row in sorted(finished):
             seq = self._running[row]
-            last = len(self._running) - 1
             self.pager.release(seq)
-            if row != last:
-                moved = self._running[last]
-                if self.cache is not None:
-                    self.cache.move(last, row, int(self._pos[last]))
-                for t in self._slot_tensors():
-                    t[row] = t[last]
-                self._running[row] = moved
-            self._running.pop()
             self._ids.discard(seq.rid)
             out.append((row, seq.result(finished[row])))
-        out.reverse()
+        holes = [r for r in sorted(finished) if r < n_new]
+        movers = [r for r in range(n_new, n) if r not in finished]
+        if holes:
+            dev = self._pos.device
+            src, dst = torch.tensor(movers, device=dev), torch.tensor(holes, device=dev)
+            if self.cache is not None:
+                self.cache.move_rows(src, dst, int(self._pos[src].max()))
+            for t in self._slot_tensors():
+                t[dst] = t[src]
+            for h, m in zip(holes, movers):
+                self._running[h] = self._running[m]
+        del self._running[n_new:]
         return out
 
     # ------------------------------------------------------------ helpers

@@ -89,10 +89,10 @@ class Pager:
 
     # ------------------------------------------------------------ writes
 
-    def write_block(self, seq: Seq, pos: int) -> tuple[int, bool]:
+    def write_block(self, seq: Seq, pos: int, copy: bool = True) -> tuple[int, bool]:
         """The block ``seq`` writes position ``pos`` into -- a new one at a block boundary, a copy
-        of a shared one (copy-on-write) -- and whether its table changed. OutOfBlocks when the
-        pool is full."""
+        of a shared one (copy-on-write; ``copy=False``: a private block whose contents the caller
+        writes whole) -- and whether its table changed. OutOfBlocks when the pool is full."""
         i = pos // self.bs
         if i == len(seq.blocks):
             seq.blocks += self.alloc.allocate(1)
@@ -103,7 +103,8 @@ class Pager:
             old = seq.blocks[i]
             new = self.alloc.writable_copy(old)
             if new is not None:
-                self.pool.copy_block(old, new)
+                if copy:
+                    self.pool.copy_block(old, new)
                 seq.blocks[i] = new
                 return new, True
         return seq.blocks[i], False
@@ -120,13 +121,6 @@ class Pager:
             parent = digest
 
     # ------------------------------------------------------------ tensors
-
-    def table_row(self, seq: Seq, width: int) -> torch.Tensor:
-        """``seq``'s block table padded with block 0 to ``width`` entries (masked reads)."""
-        row = torch.zeros(width, dtype=torch.long)
-        if seq.blocks:
-            row[: len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.long)
-        return row
 
     def rows(self, seqs: Sequence[Seq], starts: Sequence[int], ends: Sequence[int], width: int) -> torch.Tensor:
         """Pool rows of each sequence's tokens ``start..end-1`` (scratch row after)."""

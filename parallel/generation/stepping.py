@@ -65,8 +65,8 @@ class SteppingMixin:
             while i < len(self._running):
                 seq = self._running[i]
                 p = len(seq.prompt) + len(seq.out) - 1  # the fed token's position
-                try:
-                    block, changed = self.pager.write_block(seq, p)
+                try:  # contiguous decode writes whole blocks from the slot later: no copy needed now
+                    block, changed = self.pager.write_block(seq, p, copy=self.cache is None)
                 except OutOfBlocks:
                     self._preempt_last()
                     continue
@@ -187,14 +187,15 @@ class SteppingMixin:
         new = [s for s, _ in joined]
         self._running += new
         self._set_slots(row0, new)
-        J = len(new)
-        for i, s in enumerate(new):
-            self._tables[row0 + i] = self.pager.table_row(s, self._tables.shape[1]).to(dev)
+        J, W, bs = len(new), self._tables.shape[1], self.pager.bs
+        tables = torch.tensor([s.blocks + [0] * (W - len(s.blocks)) for s in new], dtype=torch.long, device=dev)
+        self._tables[row0:row0 + J] = tables
         if self.vision is not None:
             self._delta[row0:row0 + J] = torch.tensor([s.images.delta for s in new], dtype=torch.long)
         n_tok = torch.tensor([s.computed for s in new], dtype=torch.long, device=dev)
-        if self.cache is not None:  # the rows' contiguous copies, from the pool
-            rows = self.pager.rows(new, [0] * J, [s.computed for s in new], int(n_tok.max()))
+        if self.cache is not None:  # the rows' contiguous copies, from the pool (past a row's end: masked later)
+            t = self.decoder._positions[: int(n_tok.max())]
+            rows = tables[:, t // bs] * bs + t % bs
             for li in range(self.spec.num_layers):
                 k, v = self.pool.read(li, rows)
                 self.cache.write_prefix(li, row0, k.transpose(1, 2), v.transpose(1, 2))
@@ -207,17 +208,18 @@ class SteppingMixin:
     def _decode(self, B: int, finished: dict[int, dict[str, Any]]) -> None:
         bs = self.pager.bs
         pos = self._pos[:B]
-        block = self._tables[:B].gather(1, (pos // bs)[:, None]).squeeze(1)
-        pool_rows = block * bs + pos % bs
         rope = None if self._delta is None else pos + self._delta[:B]
-        if self.graphs is not None:  # paged, replayed from static buffers (parallel.generation.cuda_graphs)
-            logits = self.graphs.run(self._last[:B], pos, self._tables[:B], pool_rows)
+        if self.cache is not None:  # contiguous: the slots hold the context; the pool gets full blocks below
+            logits = self.decoder.decode(self._last[:B], pos, self.cache, rope)
         else:
-            ctx_rows: Optional[torch.Tensor] = None
-            if self.cache is None:  # paged: each row's tokens 0..L-1 through its block table
+            block = self._tables[:B].gather(1, (pos // bs)[:, None]).squeeze(1)
+            pool_rows = block * bs + pos % bs
+            if self.graphs is not None:  # replayed from static buffers (parallel.generation.cuda_graphs)
+                logits = self.graphs.run(self._last[:B], pos, self._tables[:B], pool_rows)
+            else:  # each row's tokens 0..L-1 through its block table
                 t = self.decoder._positions[: int(pos.max()) + 1]
                 ctx_rows = self._tables[:B][:, t // bs] * bs + t % bs
-            logits = self.decoder.decode(self._last[:B], pos, self.cache, rope, self.pool, pool_rows, ctx_rows)
+                logits = self.decoder.decode(self._last[:B], pos, None, rope, self.pool, pool_rows, ctx_rows)
         olds = self._running[:B]
         if self.decoder.routing is not None:  # the fed token sits at len(prompt) + len(out) - 1
             record_decode([s.routed for s in olds], self.decoder.routing,
@@ -225,6 +227,18 @@ class SteppingMixin:
         if self.pager.sharing:  # blocks this token filled go into the prefix cache
             for i in ((pos + 1) % bs == 0).nonzero().flatten().tolist():
                 s = olds[i]
-                s.computed = len(s.prompt) + len(s.out)
-                self.pager.register(s, s.computed)
+                if not self.pager.cacheable(s):
+                    continue
+                n = len(s.prompt) + len(s.out)
+                if self.cache is not None:  # the block's keys and values, from the row's slot
+                    self._block_from_slot(i, s.blocks[n // bs - 1], n - bs)
+                self.pager.register(s, n)
         self._accept(0, logits, finished, decode=True)
+
+    def _block_from_slot(self, row: int, block: int, start: int) -> None:
+        """Copy positions ``start .. start+bs-1`` of running row ``row``'s contiguous slot into pool
+        block ``block`` (every layer): contiguous decode writes the pool only per full block."""
+        bs, c = self.pager.bs, self.cache
+        dst = slice(block * bs, (block + 1) * bs)
+        self.pool.k[:, dst] = c.kt[:, row, :, :, start:start + bs].permute(0, 3, 1, 2)
+        self.pool.v[:, dst] = c.v[:, row, :, start:start + bs].transpose(1, 2)

@@ -1,6 +1,6 @@
 """The built-in generation engine against baselines measured in the same run: throughput, groups, roofline.
 
-One command (``python benchmarks/bench_engine.py``), three parts (``--parts``):
+One command (``python benchmarks/bench_engine.py``), four parts (``--parts``):
 
 1. **throughput** -- nano-vllm's workload scaled to the model: N sequences with random prompt
    and output lengths (uniform in ``--prompt-len`` / ``--output-len``), greedy, ``ignore_eos``,
@@ -16,7 +16,10 @@ One command (``python benchmarks/bench_engine.py``), three parts (``--parts``):
    prefill FLOPs (:class:`parallel.flops.TokenFlops`) and wall time both ways.  Why: in RL
    rollouts the group's shared prompt is most of the prefill, and computing it once per group
    is the saving a paged KV cache with prefix sharing exists for.
-3. **roofline** (CUDA only) -- Qwen3-0.6B's shape, 256 sequences, bf16: the mean decode step
+3. **rl** -- the default RL workload (64 arithmetic prompts x 8 samples, sampled, EOS on) on the
+   default model, the SFT start of the default run (``benchmarks/_engine_rl.py``; trained first
+   unless ``--fileroot`` holds one).
+4. **roofline** (CUDA only) -- Qwen3-0.6B's shape, 256 sequences, bf16: the mean decode step
    against the HBM roofline (weights + the KV the step reads, over ``--bandwidth-gbs``).  A
    decode step of a small model is memory-bound; the roofline says how far the engine is from
    the fastest step the memory allows.
@@ -39,10 +42,11 @@ import time
 from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-PARTS = ("throughput", "groups", "roofline")
+PARTS = ("throughput", "groups", "rl", "roofline")
 NEW_FIELDS = ("block_size", "prefix_sharing", "enforce_eager")
 # --shape -> (default prompt range, output range, model context), nano-vllm's ranges for the GPU shape
 RANGES = {"default": ((16, 64), (16, 64), 256), "qwen3-0.6b": ((100, 1024), (100, 1024), 2048)}
@@ -281,6 +285,8 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="EngineConfig(enforce_eager=True) where the field exists")
     ap.add_argument("--vocab", type=int, default=160, help="default shape: the project's tokenizer size")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--fileroot", default="", help="rl: a fileroot holding the default run's SFT start and data "
+                                                     "(bench_e2e_rl.py's; default: a new one, trained first)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     parts = [s.strip() for s in a.parts.split(",") if s.strip()]
@@ -316,6 +322,10 @@ def main() -> None:
                 part_throughput(a, path, model, dev, dtype)
             elif part == "groups":
                 part_groups(a, path, model.config, dev, dtype)
+            elif part == "rl":
+                from _engine_rl import part_rl
+
+                part_rl(a, a.fileroot or os.path.join(root, "rl"), dev)
             elif dev.type != "cuda":
                 print("\n== roofline: skipped (CUDA only; this host has no GPU)")
             else:

@@ -1,0 +1,69 @@
+"""The ``rl`` part of ``bench_engine.py``: the default RL workload on the default model.
+
+What ``main_sync_ppo`` / ``main_async_ppo`` generate each step by default: 64 prompts of the
+arithmetic task x 8 samples, temperature 1, at most ``ppo.max_new_tokens`` tokens, EOS ends a
+sample, on the embedded default model (the SFT start the default run trains first; reused from
+``--fileroot``). realflow's engine (``SamplingParams(n=8)``: the group's prompt prefilled once)
+against transformers ``generate(num_return_sequences=8)`` on the same prompts; both are credited
+the tokens up to and with each sample's first EOS. Alternating repeats, best of each.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+
+def part_rl(a: Any, fileroot: str, dev: Any) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench_e2e_rl import Work, _default_checkpoint
+    from parallel.generation import EngineConfig, GenerationEngine
+    from realflow.api.generation import SamplingParams
+
+    work = Work.from_defaults()
+    path = _default_checkpoint(fileroot)  # trains the default SFT start when the fileroot has none
+    data = next(os.path.join(fileroot, "data", d, "train.jsonl") for d in sorted(os.listdir(os.path.join(fileroot, "data")))
+                if "-rl-" in d)
+    tok = AutoTokenizer.from_pretrained(path)
+    with open(data) as f:
+        rows = [json.loads(line) for _, line in zip(range(work.batch_size), f)]
+    prompts = [tok(r["prompt"])["input_ids"] for r in rows]
+    n, max_new = work.n_samples, work.max_new_tokens
+    print(f"\n== rl: the default RL workload, {len(prompts)} prompts x {n} samples, up to {max_new} new tokens, "
+          f"temperature {work.temperature}, EOS on, the default model ({path})")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(dev)
+    engine = GenerationEngine.from_hf(path, EngineConfig(max_running_requests=len(prompts) * n), device=dev)
+    params = SamplingParams(max_new_tokens=max_new, temperature=work.temperature, n=n, seed=a.seed)
+    eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else 0
+
+    def run_engine() -> tuple[float, int]:
+        t0 = time.perf_counter()
+        res = engine.generate(prompts, params)
+        return time.perf_counter() - t0, sum(len(r.output_ids) for r in res)
+
+    def run_hf() -> tuple[float, int]:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=work.temperature, top_p=1.0,
+                                 top_k=0, max_new_tokens=max_new, num_return_sequences=n, pad_token_id=pad)
+        dt = time.perf_counter() - t0
+        resp = out[:, width:]
+        ended = (resp == eos).cumsum(1)
+        return dt, int(((ended == 0) | ((ended == 1) & (resp == eos))).sum())
+
+    run_engine(), run_hf()  # warm-up
+    eng_best, hf_best = float("inf"), float("inf")
+    for _ in range(a.repeats):
+        dt, tokens_e = run_engine()
+        eng_best = min(eng_best, dt / tokens_e)
+        dt, tokens_h = run_hf()
+        hf_best = min(hf_best, dt / tokens_h)
+    print(f"transformers generate: {1 / hf_best:10.0f} tokens/s ({tokens_h} tokens a run)")
+    print(f"realflow engine:       {1 / eng_best:10.0f} tokens/s ({tokens_e} tokens a run)")
+    print(f"ratio engine / transformers: {hf_best / eng_best:.2f}x (goal >= 3x on the default RL workload)")

@@ -215,6 +215,27 @@ def test_full_pool_preempts_and_resumes_exactly(ckpts, decode):
     all_free(eng)
 
 
+def test_a_chunked_prompt_yields_its_blocks_to_running_rows(ckpts):
+    """A pool too small for everything: the half-prefilled prompt is sent back first, then the
+    newest rows; every sequence still ends exact."""
+    path, model = ckpts["qwen2"]
+    eng = _engine(path, block_size=4, kv_blocks=16, max_model_len=64, max_prefill_tokens=8)
+    eng.add_request("a", PROMPTS[1], greedy(30))
+    eng.add_request("b", [3, 4, 5], greedy(30))
+    eng.step()
+    eng.add_request("long", list(range(40, 80)), greedy(4))
+    results, peak = [], 0
+    while eng.has_work():
+        results += eng.step()
+        peak = max(peak, eng.pager.alloc.used_blocks)
+    assert peak <= 16 and eng.stats()["preempted_requests"] > 0
+    prompts = {"a": PROMPTS[1], "b": [3, 4, 5], "long": list(range(40, 80))}
+    for r in results:
+        assert r.output_ids == hf_greedy(model, prompts[r.rid], len(r.output_ids)), r.rid
+        assert_logprobs(model, r)
+    all_free(eng)
+
+
 def test_abort_frees_blocks_of_running_waiting_and_chunked(ckpts):
     path, _ = ckpts["qwen2"]
     eng = _engine(path, block_size=4, max_prefill_tokens=16)

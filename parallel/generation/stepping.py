@@ -76,7 +76,12 @@ class SteppingMixin:
         return len(self._running)
 
     def _preempt_last(self) -> None:
-        """The newest running row goes back to the head of the queue, its blocks freed."""
+        """A prompt being prefilled in chunks, else the newest running row, goes back to the head
+        of the queue, its blocks freed."""
+        if self._partial is not None:
+            self._unpartial()
+            self.preempted += 1
+            return
         if len(self._running) <= 1:
             raise RuntimeError(f"generation KV pool: {self.pager.alloc.num_blocks} blocks do not hold one "
                                f"sequence's next token; raise kv_blocks or gpu_memory_utilization")

@@ -20,7 +20,10 @@ torch.set_num_threads(1)
 LOGPROB_ATOL = 1e-4
 PROMPTS = [[5], [7, 8, 9], list(range(10, 27)), [3, 141, 59, 26, 53, 58, 97, 93, 23, 84, 62, 64, 33],
            [100, 101], list(range(40, 100))]
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 FAMILIES = {"qwen2": dict(family="qwen2", tie_word_embeddings=False),
+            "llama": dict(family="llama", tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
             "qwen3": dict(family="qwen3", tie_word_embeddings=False, head_dim=24)}
 
 
@@ -97,6 +100,19 @@ def test_greedy_equals_transformers(ckpts, block_size, decode, sharing):
         assert_logprobs(model, r)
     shared = eng.stats()["prefix_shared_tokens"]
     assert shared == (2 * len(PROMPTS[2]) if sharing else 0)
+    all_free(eng)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_paged_chunked_and_shared(ckpts, family):
+    """Each model family on the gather path with small blocks, chunked prefill and a shared group."""
+    path, model = ckpts[family]
+    eng = _engine(path, block_size=4, max_prefill_tokens=5, decode_attention="paged")
+    res = eng.generate([PROMPTS[3], PROMPTS[2], PROMPTS[5]], [greedy(8, n=2), greedy(10), greedy(6)])
+    for r in res:
+        assert r.output_ids == hf_greedy(model, r.prompt_ids, len(r.output_ids)), r.rid
+        assert_logprobs(model, r)
+    assert eng.stats()["prefix_shared_tokens"] == len(PROMPTS[3])
     all_free(eng)
 
 

@@ -9,16 +9,27 @@ a fused flash-style kernel on CPU and GPU.  Causal self-attention only.
 
 Packed (THD) micro-batches (:mod:`parallel.packed_batch`, ``packed_seq_params`` with
 ``qkv_format="thd"``): q/k/v arrive as ``[t, heads, hn]`` of several sequences back to back, and
-each sequence attends causally within itself.  This runs one causal SDPA per ``cu_seqlens``
-segment: exactly the computation of that sequence's row in the padded path (a right-padded row
-under a causal mask never sees its padding), at ``sum(len_i^2)`` cost; a block-diagonal mask
-over the whole row would cost ``t^2`` memory and flops, and re-padding q/k/v to ``[n_seq, L]``
-would bring back the padding this path removes.  The loop is one kernel call per sequence and
-layer (micro-seconds each).
+each sequence attends causally within itself (a shared-prefix segment, :mod:`parallel.shared_prefix`:
+its prefix causally, each branch to the prefix and causally to itself).  The row is cut into
+query blocks -- a plain segment, a shared segment's prefix, one of its branches -- each with its
+keys (the prefix's, then its own).  One SDPA call per block, as a loop would make, costs a dozen
+small ops per block and layer, forward and backward: on an RL batch of short sequences (hundreds
+of blocks per row) that per-op overhead, not the maths, was most of the train step.  Instead
+(:func:`row_attention_plan`, built once per row and shared by every layer) the blocks are
+gathered into a few padded ``[n, heads, Lq, Lk]`` batches, blocks of similar size together, each
+ONE SDPA call with a boolean mask (the block's own keys causal, the prefix's all visible, padding
+never); the outputs are gathered back into row order.  A block-diagonal mask over the whole row
+would cost ``t^2``; the buckets keep the padding within about 2x of the real ``(query, key)``
+pairs plus a fixed allowance (:data:`BUCKET_SLACK_WORK`).  A long plain segment
+(:data:`SOLO_TOKENS` tokens on) keeps a causal call of its own (no mask, half the pairs).
+Masked query padding reads a real row and is dropped; padded keys are masked, so the values and
+gradients are those of the per-block calls, up to float rounding.
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -31,7 +42,116 @@ import_megatron_core()  # before megatron's own imports: the fast path on CPU ho
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
-__all__ = ["SDPACoreAttention"]
+__all__ = ["SDPACoreAttention", "row_attention_plan", "SOLO_TOKENS", "BUCKET_SLACK_WORK"]
+
+#: a plain segment with this many tokens or more runs in a causal SDPA call of its own (no mask: the
+#: kernel skips the masked half; short ones are batched, where the call overhead dominates)
+SOLO_TOKENS = 128
+#: padded (query, key) pairs x heads x head_dim a batched call may add beyond 2x its real pairs:
+#: about what one more SDPA call (its gathers, mask, forward and backward) costs on a CPU core
+BUCKET_SLACK_WORK = 1 << 20
+#: a batched call's keys are padded to a multiple of this: torch's CPU attention (and softmax) runs
+#: a scalar path over a row whose length is not a multiple of the vector width (16 fp32 lanes with
+#: AVX-512): 4-5x slower at 15 keys than at 16
+KEY_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """One SDPA call: ``n`` blocks padded to ``lq`` queries and ``lk`` keys, or (``solo``) one plain
+    segment ``[start, start + lq)`` run causally on its own."""
+
+    n: int
+    lq: int
+    lk: int
+    solo: Optional[int] = None  # the segment's start when it runs alone
+    q_index: Optional[torch.Tensor] = None  # [n * lq] row positions of the queries (padding: a real one)
+    kv_index: Optional[torch.Tensor] = None  # [n * lk] row positions of the keys (padding: a real one)
+    mask: Optional[torch.Tensor] = None  # [n, 1, lq, lk] bool, True = attends
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a packed row's attention runs: the calls, and ``gather`` -- for each row token, its output
+    among the calls' concatenated ``[n * lq]`` query rows (None: the calls' rows are the row)."""
+
+    buckets: tuple[_Bucket, ...]
+    gather: Optional[torch.Tensor]
+
+
+def _blocks(segments: tuple[int, ...], trees: tuple[tuple[int, ...], ...]) -> list[tuple[int, int, int, int]]:
+    """The row's query blocks ``(start, length, prefix start, prefix length)``: a plain segment (no
+    prefix), a shared segment's prefix (causal, no prefix) and each of its branches (sees the prefix)."""
+    out, at = [], 0
+    for i, n in enumerate(segments):
+        tree = trees[i] if i < len(trees) else ()
+        if not tree:
+            if n:
+                out.append((at, n, 0, 0))
+        else:
+            p, *rest = tree
+            if p:
+                out.append((at, p, 0, 0))
+            b = at + p
+            for r in rest:
+                if r:
+                    out.append((b, r, at, p))
+                b += r
+        at += n
+    return out
+
+
+@functools.lru_cache(maxsize=8)  # every layer of a row's forward (and a recompute) asks for the same plan
+def row_attention_plan(segments: tuple[int, ...], trees: tuple[tuple[int, ...], ...], device: torch.device,
+                       head_work: int = 128, causal: bool = True) -> RowPlan:
+    """The SDPA calls of a packed row (module docstring). ``head_work``: query heads x head dim (the
+    cost of one (query, key) pair, to size :data:`BUCKET_SLACK_WORK` in pairs). ``causal=False``: a
+    plain segment (or a prefix) sees all of itself (a branch of a shared segment is causal anyway)."""
+    blocks = _blocks(segments, trees)
+    solo = [b for b in blocks if b[3] == 0 and b[1] >= SOLO_TOKENS]
+    rest = sorted((b for b in blocks if not (b[3] == 0 and b[1] >= SOLO_TOKENS)),
+                  key=lambda b: (b[1] + b[3], b[1]), reverse=True)
+    slack = max(BUCKET_SLACK_WORK // max(head_work, 1), 64)
+    groups: list[list[tuple[int, int, int, int]]] = []
+    mq = mk = real = 0
+    for b in rest:
+        q, k = b[1], b[1] + b[3]
+        if groups:
+            nq_, nk_ = max(mq, q), max(mk, k)
+            if (len(groups[-1]) + 1) * nq_ * nk_ <= 2 * (real + q * k) + slack:
+                groups[-1].append(b)
+                mq, mk, real = nq_, nk_, real + q * k
+                continue
+        groups.append([b])
+        mq, mk, real = q, k, q * k
+    buckets: list[_Bucket] = [_Bucket(1, b[1], b[1], solo=b[0]) for b in solo]
+    q_rows = [torch.arange(b[0], b[0] + b[1]) for b in solo]  # row position of each call output row
+    for g in groups:
+        start, qlen, pstart, plen = (torch.tensor(c) for c in zip(*g))
+        n, lq = len(g), int(qlen.max())
+        lk = -(-int((qlen + plen).max()) // KEY_MULTIPLE) * KEY_MULTIPLE
+        i, j = torch.arange(lq), torch.arange(lk)
+        q_index = start[:, None] + torch.minimum(i[None], qlen[:, None] - 1)  # [n, lq]
+        own = j[None] - plen[:, None]  # [n, lk]: key j's index among the block's own tokens (< 0: prefix)
+        kv_index = torch.where(own < 0, pstart[:, None] + j[None], start[:, None] + own.clamp(min=0))
+        kv_index = torch.minimum(kv_index, (start + qlen - 1)[:, None])  # padding: a real row (masked)
+        own = own[:, None, :]
+        seen = own <= i[None, :, None]
+        if not causal:  # blocks without a prefix see all their own keys
+            seen = seen | (plen == 0)[:, None, None]
+        mask = (own < 0) | (seen & (own < qlen[:, None, None]))
+        buckets.append(_Bucket(n, lq, lk, q_index=q_index.reshape(-1).to(device),
+                               kv_index=kv_index.reshape(-1).to(device), mask=mask[:, None].to(device)))
+        q_rows.append((start[:, None] + i[None]).masked_fill(i[None] >= qlen[:, None], -1).reshape(-1))
+    rows = torch.cat(q_rows) if q_rows else torch.zeros(0, dtype=torch.long)
+    total = sum(segments)
+    real = rows >= 0
+    gather = None
+    if not (len(buckets) == 1 and buckets[0].solo == 0 and buckets[0].lq == total):
+        gather = torch.empty(total, dtype=torch.long)
+        gather[rows[real]] = torch.arange(len(rows))[real]
+        gather = gather.to(device)
+    return RowPlan(tuple(buckets), gather)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -82,52 +202,52 @@ class SDPACoreAttention(MegatronModule):
         if sum(segs) != t:
             raise ValueError(f"SDPACoreAttention: cu_seqlens cover {sum(segs)} tokens, q has {t}")
         trees = tuple(getattr(params, "trees", ()) or ())
-        parts = [self._shared(q, k, v, trees[i], attn_mask_type) if i < len(trees) and trees[i] else
-                 self._sbhd(q[:, None], k[:, None], v[:, None], None, attn_mask_type)
-                 for i, (q, k, v) in enumerate(zip(query.split(segs), key.split(segs), value.split(segs)))]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, nq * hn)
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        plan = row_attention_plan(tuple(segs), trees, query.device, nq * hn, causal)
+        parts = [self._sbhd(query[b.solo:b.solo + b.lq, None], key[b.solo:b.solo + b.lq, None],
+                            value[b.solo:b.solo + b.lq, None], None, attn_mask_type).reshape(b.lq, nq * hn)
+                 if b.solo is not None else self._bucket(query, key, value, b) for b in plan.buckets]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out if plan.gather is None else out.index_select(0, plan.gather)
 
-    def _shared(self, query: Tensor, key: Tensor, value: Tensor, tree: tuple[int, ...],
-                attn_mask_type: Optional[AttnMaskType]) -> Tensor:
-        """One shared-prefix segment ``[P | R_1 | ... | R_n]`` (:mod:`parallel.shared_prefix`): P
-        causal within itself; each R_i attends to all of P and causally to itself (P's keys and
-        values are computed once and read by every branch)."""
-        from parallel.shared_prefix import tree_mask
+    def _bucket(self, query: Tensor, key: Tensor, value: Tensor, b: _Bucket) -> Tensor:
+        """One batched call: ``b.n`` blocks gathered to ``[n, heads, lq | lk, hn]`` -> ``[n * lq, np * hn]``."""
+        _, nq, hn = query.shape
+        nk = key.shape[1]
+        q = query.index_select(0, b.q_index).view(b.n, b.lq, nq, hn).transpose(1, 2)
+        k = key.index_select(0, b.kv_index).view(b.n, b.lk, nk, hn).transpose(1, 2)
+        v = value.index_select(0, b.kv_index).view(b.n, b.lk, nk, hn).transpose(1, 2)
+        out = self._sdpa(q, k, v, b.mask, False)
+        return out.transpose(1, 2).reshape(b.n * b.lq, nq * hn)
 
-        p, *rest = tree
-        parts = []
-        if p:
-            parts.append(self._sbhd(query[:p, None], key[:p, None], value[:p, None], None, attn_mask_type))
-        at = p
-        for r, masked in zip(rest, tree_mask(tree, query.device)):
-            if r == 0:
-                continue
-            k = torch.cat([key[:p], key[at:at + r]])[:, None]
-            v = torch.cat([value[:p], value[at:at + r]])[:, None]
-            parts.append(self._sbhd(query[at:at + r, None], k, v, masked[None, None], attn_mask_type))
-            at += r
-        return torch.cat(parts)
-
-    def _sbhd(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-              attn_mask_type: Optional[AttnMaskType]) -> Tensor:
-        sq, b, nq, hn = query.shape
-        nk = key.shape[2]
-        # [s, b, n, h] -> [b, n, s, h]; kv heads are shared by nq // nk consecutive query heads
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], causal: bool) -> Tensor:
+        """``[b, n, s, h]`` q / ``[b, g, s, h]`` k, v (kv heads shared by ``n // g`` consecutive query heads)."""
+        kw: dict[str, Any] = {}
+        nq, nk = q.shape[1], k.shape[1]
         if nq != nk:
-            k = k.repeat_interleave(nq // nk, dim=1)
-            v = v.repeat_interleave(nq // nk, dim=1)
-        mask_type = attn_mask_type or self.attn_mask_type
-        causal = mask_type == AttnMaskType.causal and attention_mask is None and sq > 1
-        mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked
+            if q.device.type == "cpu":  # the CPU kernel reads the shared kv heads in place (faster)
+                kw["enable_gqa"] = True
+            else:  # the GPU kernels that take a mask want as many kv heads as query heads
+                k = k.repeat_interleave(nq // nk, dim=1)
+                v = v.repeat_interleave(nq // nk, dim=1)
         dropout = self.dropout_p if self.training else 0.0
         if dropout > 0.0:
             from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
             with get_cuda_rng_tracker().fork():
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                     is_causal=causal, scale=self.softmax_scale)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                 scale=self.softmax_scale)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                                      scale=self.softmax_scale, **kw)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.softmax_scale,
+                                              **kw)
+
+    def _sbhd(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+              attn_mask_type: Optional[AttnMaskType]) -> Tensor:
+        sq, b, nq, hn = query.shape
+        nk = key.shape[2]
+        # [s, b, n, h] -> [b, n, s, h]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask_type = attn_mask_type or self.attn_mask_type
+        causal = mask_type == AttnMaskType.causal and attention_mask is None and sq > 1
+        mask = None if attention_mask is None else ~attention_mask  # megatron: True = masked
+        out = self._sdpa(q, k, v, mask, causal)
         return out.permute(2, 0, 1, 3).reshape(sq, b, nq * hn)

@@ -23,7 +23,7 @@ from mfc.normalization import normalize
 from mfc.ppo_config import ESTIMATORS, AdvantageConfig, KLConfig  # noqa: F401  (importable from here too)
 from mfc.ppo_functional import ppo_minibatches
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
-from realflow.api.engine import LossFn, TrainEngine
+from realflow.api.engine import LossFn, TrainEngine, runs_pad_free
 from realflow.api.images import IMAGES_EXTRA
 from realflow.api.keys import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, REF_LOGPROBS, REWARDS,  # noqa: F401
                                ROUTED_EXPERTS, VALUES)
@@ -215,9 +215,10 @@ def run_ppo_updates(engine: TrainEngine, batch: SequenceBatch, t: RLTensors, mb_
     totals: dict[str, float] = {}
     first: dict[str, float] = {}
     n = 0
+    packed = runs_pad_free(engine)  # pad-free micro-batches: as few as the token budget allows
     for _, _, mini in ppo_minibatches(tb, epochs, n_minibatches, seed, step):
         mbs, ids = [], []
-        for mb in mini.micro_batches(mb_spec):
+        for mb in mini.micro_batches(mb_spec, packed=packed):
             lens = flat_seqlens(mb)
             extra = micro_batch(mb, lens)
             if ROUTED_EXPERTS in mb.data and isinstance(extra, dict):  # MoE routing replay, for the engine

@@ -11,7 +11,7 @@ from mfc.images import has_images, sample_images, sequence_images
 from mfc.packed import next_token_targets
 from mfc.reward import held_out_scores
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
-from realflow.api.engine import TokenOutputs
+from realflow.api.engine import TokenOutputs, runs_pad_free
 from realflow.api.images import IMAGES_EXTRA
 from realflow.api.interface import Model, ModelInterface, register_interface
 
@@ -33,7 +33,7 @@ class SFTInterface(ModelInterface):
 
     def train_step(self, model: Model, batch: SequenceBatch, mb_spec: MicroBatchSpec) -> dict[str, float]:
         micro_batches, ids = [], []
-        for mb in batch.micro_batches(mb_spec):
+        for mb in batch.micro_batches(mb_spec, packed=runs_pad_free(model.module)):
             ids.append(mb.ids)
             tokens = mb.data["packed_input_ids"]
             seqlens = [n for lens in mb.seqlens["packed_input_ids"] for n in lens]

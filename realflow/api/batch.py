@@ -522,21 +522,24 @@ class SequenceBatch:
         """
         return self.split_balanced_with_index(n, key)[0]
 
-    def micro_batches_with_index(self, spec: MicroBatchSpec, key: str = "packed_input_ids") -> tuple[list["SequenceBatch"], list[list[int]]]:
+    def micro_batches_with_index(self, spec: MicroBatchSpec, key: str = "packed_input_ids", *,
+                                 packed: bool = False) -> tuple[list["SequenceBatch"], list[list[int]]]:
         """Like :meth:`micro_batches`, also returning each part's sample positions in ``self``."""
         self._require_key(key)
-        if spec.max_tokens_per_mb is None:
-            parts = _pack_partition(self.sample_tokens(key), spec.n_mbs, None)
+        if spec.max_tokens_per_mb is None or packed:  # cost = real tokens: packed under the budget
+            parts = _pack_partition(self.sample_tokens(key), spec.n_mbs, spec.max_tokens_per_mb)
         else:  # micro-batches run padded: group similar lengths under the padded budget
             parts = padded_partition(self.seqlens[key], spec.n_mbs, spec.max_tokens_per_mb)
         return [self._select_positions(p) for p in parts], parts
 
-    def micro_batches(self, spec: MicroBatchSpec, key: str = "packed_input_ids") -> list["SequenceBatch"]:
+    def micro_batches(self, spec: MicroBatchSpec, key: str = "packed_input_ids", *,
+                      packed: bool = False) -> list["SequenceBatch"]:
         """Cut into micro-batches: with ``spec.max_tokens_per_mb``, similar lengths together so
-        that each runs padded (sequences x longest) within it (:mod:`realflow.api.padded_partition`);
-        without, token-balanced parts. At least ``min(spec.n_mbs, len(self))`` parts; no sample
-        is ever dropped."""
-        return self.micro_batches_with_index(spec, key)[0]
+        that each runs padded (sequences x longest) within it (:mod:`realflow.api.padded_partition`),
+        or, ``packed`` (an engine that runs micro-batches pad-free: their cost is their real tokens),
+        as few parts as fit the budget in real tokens; without a budget, token-balanced parts. At
+        least ``min(spec.n_mbs, len(self))`` parts; no sample is ever dropped."""
+        return self.micro_batches_with_index(spec, key, packed=packed)[0]
 
     # ---- wire format --------------------------------------------------------------------------
 

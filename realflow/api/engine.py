@@ -32,7 +32,8 @@ from realflow.api.generation import GenerationResult, SamplingParams
 
 __all__ = [
     "TrainEngine", "TokenOutputs", "BatchGenerator", "LossFn", "MicroBatches",
-    "NonFiniteConfigurable", "AdapterEngine", "has_adapters", "check_engine", "protocol_members",
+    "NonFiniteConfigurable", "AdapterEngine", "has_adapters", "PadFreeEngine", "runs_pad_free", "check_engine",
+    "protocol_members",
 ]
 
 
@@ -194,6 +195,22 @@ class AdapterEngine(Protocol):
 def has_adapters(engine: Any) -> bool:
     """True when ``engine`` trains LoRA adapters (and so offers :class:`AdapterEngine`)."""
     return isinstance(engine, AdapterEngine) and bool(engine.has_adapters)
+
+
+@runtime_checkable
+class PadFreeEngine(Protocol):
+    """An engine that may run micro-batches pad-free (their sequences concatenated, no padding)."""
+
+    @property
+    def pad_free(self) -> bool:
+        """True when a micro-batch costs its real tokens (not sequences x longest)."""
+        ...
+
+
+def runs_pad_free(engine: Any) -> bool:
+    """True when ``engine``'s micro-batches run pad-free: cut them by real tokens
+    (``SequenceBatch.micro_batches(spec, packed=True)``), as few as the budget allows."""
+    return isinstance(engine, PadFreeEngine) and bool(engine.pad_free)
 
 
 _PROTOCOL_BASES = frozenset({"Protocol", "Generic", "object"})

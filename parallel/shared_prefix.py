@@ -62,30 +62,42 @@ class SharedPlan:
         return any(p > 0 for _, _, p in self.groups)
 
 
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(len(a), len(b))
-    diff = (a[:n] != b[:n]).nonzero()
-    return int(diff[0, 0]) if len(diff) else n
+def _neighbour_prefixes(ids: torch.Tensor, seqlens: list[int]) -> list[int]:
+    """``c[k]``: the common prefix length of sequences ``k`` and ``k + 1`` (one vectorised pass over
+    the tokens both have, not a comparison per pair)."""
+    n = len(seqlens)
+    if n < 2:
+        return []
+    lens = torch.tensor(seqlens, dtype=torch.long)
+    offs = torch.zeros(n, dtype=torch.long)
+    offs[1:] = lens.cumsum(0)[:-1]
+    both = torch.minimum(lens[:-1], lens[1:])  # tokens a pair can share
+    pair = torch.repeat_interleave(torch.arange(n - 1), both)
+    at = torch.arange(len(pair)) - torch.repeat_interleave(both.cumsum(0) - both, both)  # index in the pair
+    differ = ids[offs[pair] + at] != ids[offs[pair + 1] + at]
+    first = both.clone()  # no difference: the shorter one is a prefix of the other
+    if bool(differ.any()):
+        first.scatter_reduce_(0, pair[differ], at[differ], reduce="amin")
+    return first.tolist()
 
 
 def plan_shared(input_ids: torch.Tensor, seqlens: list[int], min_prefix: int = MIN_SHARED_PREFIX) -> SharedPlan:
     """Runs of consecutive sequences and the prefix ``p`` ALL members of a run share (at least
     ``min_prefix`` tokens), each run chosen to save the most tokens, ``(members - 1) * p``: a
     GRPO group whose first two samples also agree on a response token does not lose its third
-    member, and a run is not stretched over the next prompt for a common first token."""
-    ids = input_ids.detach().cpu()
-    offs = [0]
-    for n in seqlens:
-        offs.append(offs[-1] + int(n))
-    seqs = [ids[offs[i]:offs[i + 1]] for i in range(len(seqlens))]
+    member, and a run is not stretched over the next prompt for a common first token.
+
+    The prefix all of ``i..j`` share is the least common prefix of neighbours in between (they
+    all agree up to it, and a pair that differs there differs from ``i`` on one side)."""
+    seqlens = [int(n) for n in seqlens]
+    near = _neighbour_prefixes(input_ids.detach().cpu(), seqlens)
     groups: list[tuple[int, int, int]] = []
-    i = 0
-    while i < len(seqs):
+    i, n = 0, len(seqlens)
+    while i < n:
         best_saving, best_end, best_p = 0, i + 1, 0
         j, p = i + 1, None
-        while j < len(seqs):
-            common = _common_prefix(seqs[i], seqs[j])
-            p = common if p is None else min(p, common)
+        while j < n:
+            p = near[j - 1] if p is None else min(p, near[j - 1])
             if p < min_prefix:
                 break
             j += 1
@@ -93,7 +105,7 @@ def plan_shared(input_ids: torch.Tensor, seqlens: list[int], min_prefix: int = M
                 best_saving, best_end, best_p = (j - i - 1) * p, j, p
         groups.append((i, best_end, best_p))
         i = best_end
-    return SharedPlan(tuple(int(n) for n in seqlens), tuple(groups))
+    return SharedPlan(tuple(seqlens), tuple(groups))
 
 
 @dataclass
@@ -112,34 +124,38 @@ def shared_row(input_ids: torch.Tensor, plan: SharedPlan
     offs = [0]
     for n in plan.seqlens:
         offs.append(offs[-1] + n)
-    tokens, positions, segments, trees, expand = [], [], [], [], []
+    src: list[int] = []  # the micro-batch token each row position holds
+    positions: list[int] = []
+    expand: list[int] = []
+    segments, trees = [], []
     at = 0  # row position of the next segment
     for a, b, p in plan.groups:
         if p == 0:
             n = plan.seqlens[a]
-            tokens.append(input_ids[offs[a]:offs[a + 1]])
-            positions.append(torch.arange(n))
-            expand.append(torch.arange(at, at + n))
+            src.extend(range(offs[a], offs[a + 1]))
+            positions.extend(range(n))
+            expand.extend(range(at, at + n))
             segments.append(n)
             trees.append(())
             at += n
             continue
-        tokens.append(input_ids[offs[a]:offs[a] + p])
-        positions.append(torch.arange(p))
+        src.extend(range(offs[a], offs[a] + p))
+        positions.extend(range(p))
         rest, branch_at = [], at + p
         for i in range(a, b):
             r = plan.seqlens[i] - p
-            tokens.append(input_ids[offs[i] + p:offs[i + 1]])
-            positions.append(torch.arange(p, p + r))
-            expand.append(torch.cat([torch.arange(at, at + p), torch.arange(branch_at, branch_at + r)]))
+            src.extend(range(offs[i] + p, offs[i + 1]))
+            positions.extend(range(p, p + r))
+            expand.extend(range(at, at + p))
+            expand.extend(range(branch_at, branch_at + r))
             rest.append(r)
             branch_at += r
         segments.append(p + sum(rest))
         trees.append((p, *rest))
         at = branch_at
-    row = torch.cat(tokens) if tokens else input_ids[:0]
-    pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
-    return row, pos, segments, SharedRows(tuple(trees), torch.cat(expand) if expand else pos)
+    row = input_ids[torch.tensor(src, dtype=torch.long, device=input_ids.device)]
+    pos = torch.tensor(positions, dtype=torch.long)
+    return row, pos, segments, SharedRows(tuple(trees), torch.tensor(expand, dtype=torch.long))
 
 
 @functools.lru_cache(maxsize=1024)  # every layer of a forward asks for the same masks

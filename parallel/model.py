@@ -19,6 +19,7 @@ from parallel.hf_layout import check_layout
 from parallel.mcore_globals import ensure_megatron_globals
 from parallel.model_config import HFArch, hf_arch, rope_inv_freq, transformer_config_from_hf
 from parallel.model_config import moe_arch as arch_moe
+from parallel.rotary import install_packed_rope
 from parallel.vision import build_vision_tower
 
 __all__ = ["build_gpt_model", "te_available"]
@@ -130,6 +131,7 @@ def build_gpt_model(
     check_layout(hf_config, strategy.dp, strategy.tp, strategy.pp, strategy.ep)
     apply_cpu_compat()
     ensure_megatron_globals()
+    install_packed_rope()  # pad-free rows' rotary frequencies in one gather (parallel/rotary.py)
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     use_te = te_available() if use_te is None else use_te

@@ -7,6 +7,11 @@ length, so the row's positions go ``0..p-1, p.., p.., ...``. This subclass retur
 frequency row per token at those positions when the schedule has set them (megatron's THD rotary
 then maps token ``t`` to row ``t``, its "exact mapping with offsets" case), and the stock
 frequencies otherwise. It holds no parameters or buffers of its own: checkpoints are unchanged.
+
+:func:`install_packed_rope` also gives megatron's unfused THD rotation (``rope_utils.
+_apply_rotary_pos_emb_thd``, used by every pad-free row) a vectorised way to its per-token
+frequencies: megatron slices them per segment in a Python loop (a ``.item()`` per segment, a host
+sync on a GPU) for the q and the k of every layer; the same rows come from one gather.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-__all__ = ["explicit_rotary_positions", "positioned_ropes", "use_positioned_rotary"]
+__all__ = ["explicit_rotary_positions", "positioned_ropes", "use_positioned_rotary", "install_packed_rope"]
 
 
 def _positioned_class() -> type:
@@ -74,3 +79,34 @@ def explicit_rotary_positions(ropes: list[torch.nn.Module], positions: Optional[
     finally:
         for r in ropes:
             r.positions = None
+
+
+def install_packed_rope() -> None:
+    """Replace megatron's unfused THD RoPE (module docstring) with :func:`_packed_rope` (idempotent).
+    Context parallelism (never with our core attention) keeps megatron's own."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if getattr(rope_utils._apply_rotary_pos_emb_thd, "_realflow_packed", False):
+        return
+    original = rope_utils._apply_rotary_pos_emb_thd
+
+    def _packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
+                     rotary_interleaved: bool = False, multi_latent_attention: bool = False,
+                     mscale: float = 1.0, cp_group: Any = None) -> torch.Tensor:
+        """megatron's ``_apply_rotary_pos_emb_thd`` at cp = 1, the same frequency rows gathered at once:
+        ``freqs`` with one row per token (explicit positions) as they are, else row ``i`` of a
+        segment's ``i``-th token (megatron's two cases; ``t`` is the whole row, ``cu_seqlens[-1]``)."""
+        if cp_group is None or cp_group.size() != 1:
+            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                            multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+        n = t.size(0)
+        if freqs.size(0) != n:  # positions restart at 0 at each segment start
+            cu = cu_seqlens.to(device=freqs.device, dtype=torch.long)
+            starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=n)
+            freqs = freqs[torch.arange(n, device=freqs.device) - starts]
+        return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs, rotary_interleaved=rotary_interleaved,
+                                                     multi_latent_attention=multi_latent_attention,
+                                                     mscale=mscale).squeeze(1)
+
+    _packed_rope._realflow_packed = True  # type: ignore[attr-defined]
+    rope_utils._apply_rotary_pos_emb_thd = _packed_rope

@@ -172,29 +172,35 @@ class PPOActorInterface(ModelInterface):
         # weights equal the training weights and both compute the same fp32 logprobs
         out["gen_train_kl"] = gen_kl
         out.update(gap)
+        # the step's batch statistics, summed over dp in ONE collective (each costs a round trip)
+        names = ["n_seqs", "score_sum", "n_truncated", "n_action_tokens", "neg_logprob_sum", "n_prompt_tokens"]
+        local = [t.stats[k] for k in names]
+        if "kl_ref_sum" in t.stats:
+            names.append("kl_ref_sum")
+            local.append(t.stats["kl_ref_sum"])
+        for k in ("mismatch_corrected_tokens", "n_loss_tokens", "behav_imp_weight_sum", "behav_capped_tokens"):
+            names.append(k)
+            local.append(totals.get(k, 0.0))
+        red = dict(zip(names, eng.dp_sum(local)))
         if self.ppo.mismatch_correction != "none":
-            n_corr = eng.dp_sum([totals.get("mismatch_corrected_tokens", 0.0)])[0]
-            out["mismatch/corrected_frac"] = n_corr / max(eng.dp_sum([totals.get("n_loss_tokens", 0.0)])[0], 1.0)
+            out["mismatch/corrected_frac"] = red["mismatch_corrected_tokens"] / max(red["n_loss_tokens"], 1.0)
         # MoE: load-balancing loss, expert load and (with replay) how often the trainer's router disagrees
         out.update({k: v / n_updates for k, v in totals.items() if k.startswith("moe/")})
         if self.decoupled:  # how far behaviour and proximal policies were apart (the off-policy gap)
-            w_sum, n_capped = eng.dp_sum([totals.get("behav_imp_weight_sum", 0.0),
-                                          totals.get("behav_capped_tokens", 0.0)])
-            n_all = eng.dp_sum([totals.get("n_loss_tokens", 0.0)])[0]
-            out["behav_imp_weight"] = w_sum / max(n_all, 1.0)
-            out["behav_capped_frac"] = n_capped / max(n_all, 1.0)
-        n_seqs, score = eng.dp_sum([t.stats["n_seqs"], t.stats["score_sum"]])
-        out["reward"] = score / max(n_seqs, 1.0)
-        n_trunc, n_act = eng.dp_sum([t.stats["n_truncated"], t.stats["n_action_tokens"]])
-        out["truncated_frac"] = n_trunc / max(n_seqs, 1.0)
+            n_all = red["n_loss_tokens"]
+            out["behav_imp_weight"] = red["behav_imp_weight_sum"] / max(n_all, 1.0)
+            out["behav_capped_frac"] = red["behav_capped_tokens"] / max(n_all, 1.0)
+        n_seqs, n_act = red["n_seqs"], red["n_action_tokens"]
+        out["reward"] = red["score_sum"] / max(n_seqs, 1.0)
+        out["truncated_frac"] = red["n_truncated"] / max(n_seqs, 1.0)
         out["response_len"] = n_act / max(n_seqs, 1.0)
         # the behaviour policy's entropy per token, estimated from its sampled tokens (free: no extra pass)
-        out["sample_entropy"] = eng.dp_sum([t.stats["neg_logprob_sum"]])[0] / max(n_act, 1.0)
+        out["sample_entropy"] = red["neg_logprob_sum"] / max(n_act, 1.0)
         # the long tail a synchronous generation waits for, and the prompts (what the planner needs)
         out["response_len_max"] = eng.dp_max([t.stats["response_len_max"]])[0]
-        out["prompt_len"] = eng.dp_sum([t.stats["n_prompt_tokens"]])[0] / max(n_seqs, 1.0)
+        out["prompt_len"] = red["n_prompt_tokens"] / max(n_seqs, 1.0)
         if "kl_ref_sum" in t.stats:
-            out["kl_ref"] = eng.dp_sum([t.stats["kl_ref_sum"]])[0] / max(n_act, 1.0)
+            out["kl_ref"] = red["kl_ref_sum"] / max(n_act, 1.0)
             out["kl_coef"] = kl_coef
         return out
 

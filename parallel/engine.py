@@ -322,6 +322,22 @@ class MegatronEngine(EngineHFMixin):
             dist.all_reduce(t, group=self.groups.dp_group)
         return t.tolist()
 
+    def _dp_sum_and_max(self, sums: list[float], maxima: list[float]) -> tuple[list[float], list[float]]:
+        """:meth:`dp_sum` of ``sums`` and :meth:`dp_max` of ``maxima`` in one collective (an all-gather:
+        each small collective costs a round trip); the sums add the ranks in rank order."""
+        if self.groups.strategy.dp == 1 or not (sums or maxima):
+            return [float(v) for v in sums], [float(v) for v in maxima]
+        if not maxima:
+            return self.dp_sum(sums), []
+        t = torch.tensor(sums + maxima, dtype=torch.float64)
+        out = torch.empty(self.groups.strategy.dp * t.numel(), dtype=torch.float64)
+        dist.all_gather_into_tensor(out, t, group=self.groups.dp_group)
+        out = out.view(self.groups.strategy.dp, -1)
+        red = out[0, :len(sums)].clone()
+        for r in range(1, out.shape[0]):
+            red += out[r, :len(sums)]
+        return red.tolist(), out[:, len(sums):].max(0).values.tolist()
+
     def dp_max(self, values: list[float]) -> list[float]:
         """Element-wise maximum of ``values`` over this model's data-parallel group."""
         t = torch.tensor(values, dtype=torch.float64)
@@ -556,22 +572,28 @@ class MegatronEngine(EngineHFMixin):
         self._runner.run(self.model, mbs, loss_func, forward_only=False, device=self.device,
                          aux_scale_of=lambda i: weights[i] * g.strategy.dp / total_w)
         payload = None
+        useful_pairs = sum(causal_pairs(n) for mb in mbs for n in mb.seqlens)
+        work = [float(self._runner.computed_tokens), self._flops.train(n_tokens_local, useful_pairs),
+                self._flops.train(self._runner.computed_tokens, self._runner.computed_pairs)]
         if g.is_last_stage:
             keys, err = self._agreed_stat_keys(stats, errors)
             payload = {"error": err, "keys": keys}
             if not err:  # stats named *_max are maxima (over micro-batches and dp), the rest sums
                 sums = [k for k in keys if not k.endswith("_max")]
                 maxima = [k for k in keys if k.endswith("_max")]
-                red = self.dp_sum([sum(loss_sums)] + [sum(s[k] for s in stats) for k in sums])
-                red += self.dp_max([max((s[k] for s in stats), default=0.0) for k in maxima]) if maxima else []
+                red, top = self._dp_sum_and_max(
+                    [sum(loss_sums)] + [sum(s[k] for s in stats) for k in sums] + work,
+                    [max((s[k] for s in stats), default=0.0) for k in maxima])
+                red, work = red[:-len(work)], red[-len(work):]
                 payload["keys"] = keys = sums + maxima
-                payload["sums"] = red
+                payload["sums"] = red + top
                 if not math.isfinite(red[0]):  # every last-stage rank knows: locate it (collective)
                     payload["bad"] = self._locate_nonfinite_loss(loss_sums, sample_ids)
-        useful_pairs = sum(causal_pairs(n) for mb in mbs for n in mb.seqlens)
-        n_computed, flops_useful, flops_computed = self.dp_sum([
-            float(self._runner.computed_tokens), self._flops.train(n_tokens_local, useful_pairs),
-            self._flops.train(self._runner.computed_tokens, self._runner.computed_pairs)])
+            else:
+                work = self.dp_sum(work)
+        else:
+            work = self.dp_sum(work)
+        n_computed, flops_useful, flops_computed = work
         payload = share_from_last_stage(g, payload)
         if payload["error"]:  # before stepping: a bad loss_fn changes nothing
             raise ValueError(payload["error"])

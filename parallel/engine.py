@@ -162,6 +162,7 @@ class MegatronEngine(EngineHFMixin):
         self.optimizer_config = optimizer_config
         self.optimizer = self.scheduler = None
         self.offload: Optional[OptimizerOffload] = None  # training.optimizer_offload on a GPU
+        self._storage: Optional[list[torch.Tensor]] = None  # the parameters' storage (_param_storage)
         self.model: torch.nn.Module = self.module
         if optimizer_config is not None:
             self._setup_training(optimizer_config)
@@ -653,7 +654,7 @@ class MegatronEngine(EngineHFMixin):
             self.scheduler.step(increment=1)
             self.version += 1
             self.nonfinite_run = 0
-            if not params_finite(self.module.parameters()):
+            if not params_finite(self._param_storage()):
                 raise NonFiniteError(f"parameters not finite after an update with finite loss and gradient norm "
                                      f"({grad_norm}) on rank {g.global_rank}: the optimizer overflowed (check lr "
                                      f"and eps); the update is applied, so the run stops")
@@ -665,6 +666,18 @@ class MegatronEngine(EngineHFMixin):
                 f"; {self.nonfinite_run} consecutive steps skipped > max_nonfinite_skips={pol.max_skips}"
             raise NonFiniteError(f"{problem}; the update was not applied{why}")
         return False, grad_norm
+
+    def _param_storage(self) -> list[torch.Tensor]:
+        """Every parameter, as few tensors as possible: the DDP buffers the trained ones are views of
+        (one reduction each instead of one per parameter), then any parameter outside them."""
+        if self._storage is None:
+            bufs = [b.param_data for b in [*getattr(self.model, "buffers", []),
+                                           *getattr(self.model, "expert_parallel_buffers", [])]
+                    if getattr(b, "param_data", None) is not None]
+            held = {t.untyped_storage().data_ptr() for t in bufs}
+            outside = [p for p in self.module.parameters() if p.untyped_storage().data_ptr() not in held]
+            self._storage = bufs + outside
+        return self._storage
 
     def _check_replica_agrees(self, mbs: list[MicroBatch], problem: str) -> str:
         """All tp/pp ranks of a dp replica must hold the same micro-batch structure."""

@@ -90,23 +90,39 @@ def install_packed_rope() -> None:
         return
     original = rope_utils._apply_rotary_pos_emb_thd
 
+    cache: dict[str, Any] = {}  # the last row's (freqs, cu_seqlens, n, mscale, dtype) -> (cos, sin)
+
     def _packed_rope(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor,
                      rotary_interleaved: bool = False, multi_latent_attention: bool = False,
                      mscale: float = 1.0, cp_group: Any = None) -> torch.Tensor:
         """megatron's ``_apply_rotary_pos_emb_thd`` at cp = 1, the same frequency rows gathered at once:
         ``freqs`` with one row per token (explicit positions) as they are, else row ``i`` of a
-        segment's ``i``-th token (megatron's two cases; ``t`` is the whole row, ``cu_seqlens[-1]``)."""
+        segment's ``i``-th token (megatron's two cases; ``t`` is the whole row, ``cu_seqlens[-1]``).
+        The rows' cos / sin are computed once per forward (every layer's q and k get the same
+        ``freqs``), and the rotation is megatron's ``t * cos + rotate_half(t) * sin`` without its
+        concatenation of an empty pass-through part (a copy of ``t``)."""
         if cp_group is None or cp_group.size() != 1:
             return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                             multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
         n = t.size(0)
-        if freqs.size(0) != n:  # positions restart at 0 at each segment start
-            cu = cu_seqlens.to(device=freqs.device, dtype=torch.long)
-            starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=n)
-            freqs = freqs[torch.arange(n, device=freqs.device) - starts]
-        return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs, rotary_interleaved=rotary_interleaved,
-                                                     multi_latent_attention=multi_latent_attention,
-                                                     mscale=mscale).squeeze(1)
+        key = (n, float(mscale), t.dtype, freqs._version, cu_seqlens._version)  # _version: in-place changes
+        hit = cache.get("freqs") is freqs and cache.get("cu") is cu_seqlens and cache.get("key") == key
+        if not hit:
+            rows = freqs
+            if freqs.size(0) != n:  # positions restart at 0 at each segment start
+                cu = cu_seqlens.to(device=freqs.device, dtype=torch.long)
+                starts = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1], output_size=n)
+                rows = freqs[torch.arange(n, device=freqs.device) - starts]
+            cache.clear()
+            cache.update(freqs=freqs, cu=cu_seqlens, key=key, rows=rows,
+                         cos=(torch.cos(rows) * mscale).to(t.dtype), sin=(torch.sin(rows) * mscale).to(t.dtype))
+        if multi_latent_attention or t.size(-1) != cache["rows"].size(-1):  # megatron's general form
+            return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), cache["rows"],
+                                                         rotary_interleaved=rotary_interleaved,
+                                                         multi_latent_attention=multi_latent_attention,
+                                                         mscale=mscale).squeeze(1)
+        x = t.unsqueeze(1)
+        return ((x * cache["cos"]) + (rope_utils._rotate_half(x, rotary_interleaved) * cache["sin"])).squeeze(1)
 
     _packed_rope._realflow_packed = True  # type: ignore[attr-defined]
     rope_utils._apply_rotary_pos_emb_thd = _packed_rope

@@ -101,6 +101,10 @@ def _blocks(segments: tuple[int, ...], trees: tuple[tuple[int, ...], ...]) -> li
     return out
 
 
+def _round_keys(n: int) -> int:
+    return -(-n // KEY_MULTIPLE) * KEY_MULTIPLE
+
+
 @functools.lru_cache(maxsize=8)  # every layer of a row's forward (and a recompute) asks for the same plan
 def row_attention_plan(segments: tuple[int, ...], trees: tuple[tuple[int, ...], ...], device: torch.device,
                        head_work: int = 128, causal: bool = True) -> RowPlan:
@@ -118,7 +122,7 @@ def row_attention_plan(segments: tuple[int, ...], trees: tuple[tuple[int, ...], 
         q, k = b[1], b[1] + b[3]
         if groups:
             nq_, nk_ = max(mq, q), max(mk, k)
-            if (len(groups[-1]) + 1) * nq_ * nk_ <= 2 * (real + q * k) + slack:
+            if (len(groups[-1]) + 1) * nq_ * _round_keys(nk_) <= 2 * (real + q * k) + slack:
                 groups[-1].append(b)
                 mq, mk, real = nq_, nk_, real + q * k
                 continue
@@ -128,8 +132,7 @@ def row_attention_plan(segments: tuple[int, ...], trees: tuple[tuple[int, ...], 
     q_rows = [torch.arange(b[0], b[0] + b[1]) for b in solo]  # row position of each call output row
     for g in groups:
         start, qlen, pstart, plen = (torch.tensor(c) for c in zip(*g))
-        n, lq = len(g), int(qlen.max())
-        lk = -(-int((qlen + plen).max()) // KEY_MULTIPLE) * KEY_MULTIPLE
+        n, lq, lk = len(g), int(qlen.max()), _round_keys(int((qlen + plen).max()))
         i, j = torch.arange(lq), torch.arange(lk)
         q_index = start[:, None] + torch.minimum(i[None], qlen[:, None] - 1)  # [n, lq]
         own = j[None] - plen[:, None]  # [n, lk]: key j's index among the block's own tokens (< 0: prefix)

@@ -183,14 +183,16 @@ def test_allocation_auto_splits_an_asynchronous_run_between_servers_and_trainer(
 
 
 def test_a_padded_engine_pays_for_the_batchs_longest_sequence(tmp_path):
-    """SFT on the CPU engine (padded attention: every sequence of a micro-batch runs as long as its
-    longest) costs more when the lengths vary than when all are the mean; a packed-attention
-    device (H100) pays only the real tokens. A longest below the mean is refused."""
+    """SFT on the CPU engine with padded micro-batches (``training.pad_free=off``: every sequence
+    of a micro-batch runs as long as its longest) costs more when the lengths vary than when all
+    are the mean; pad-free micro-batches (the default) and a packed-attention device (H100) pay
+    only the real tokens. A longest below the mean is refused."""
     from parallel.overheads import TINY
 
-    setup = _setup("sft", tmp_path, "batch_size=64")
-    roles = {r: dict(TINY, num_hidden_layers=4) for r, s in setup.models.items() if s.backend != "none"}
-    for cluster, padded in (("local", True), ("8xh100", False)):
+    for cluster, extra, padded in (("local", ["training.pad_free=off"], True), ("local", [], False),
+                                   ("8xh100", [], False)):
+        setup = _setup("sft", tmp_path, "batch_size=64", *extra)
+        roles = {r: dict(TINY, num_hidden_layers=4) for r, s in setup.models.items() if s.backend != "none"}
         cl = parse_cluster(cluster, local_devices=setup.n_workers, local_profile="cpu-example")
         even = simulate(setup, cl, roles, Workload(seq_len=256), "d2" if cluster == "local" else "d8")
         ragged = simulate(setup, cl, roles, Workload(seq_len=256, seq_len_max=512),

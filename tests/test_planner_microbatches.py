@@ -25,6 +25,34 @@ def test_packed_attention_splits_the_token_budget_evenly():
     assert len(shapes) == 2 * 2 and all(s == (1.0, 8.0, 100) for s in shapes)  # 16 x 100 tokens: 2 per update
 
 
+def test_a_groups_shared_prompt_is_priced_once():
+    """training.shared_prefix: a group of 8 answers behind one 60-token prompt computes the prompt
+    once -- each sequence's rows are 100 - 60 * 7/8; the micro-batch count still follows the real
+    tokens (the runtime cuts by them)."""
+    w = Work("train", seqs=64, seq_len=100, max_tokens_per_mb=1000, updates=2, group=8, pad_free=True,
+             shared_prompt=60)
+    assert w.computed_len == pytest.approx(100 - 60 * 7 / 8)
+    shapes = micro_batch_shapes(w, dp=2, pp=1, packed=True)
+    assert len(shapes) == 2 * 2 and all(s == (1.0, 8.0, pytest.approx(47.5)) for s in shapes)
+
+
+def test_row_savings_follow_the_models_training_options():
+    """What the planner assumes an engine computes: pad-free unless ``off``; a shared prompt
+    needs pad-free rows and a dense text model (MoE and VL models compute every prompt)."""
+    from types import SimpleNamespace
+
+    from realflow.planner.simulate import _row_savings
+
+    def spec(pad_free="auto", shared_prefix="auto"):
+        return SimpleNamespace(training=SimpleNamespace(pad_free=pad_free, shared_prefix=shared_prefix))
+    dense, moe, vl = {"hidden_size": 8}, {"num_experts": 4}, {"vision_config": {}, "text_config": {}}
+    assert _row_savings(spec(), dense) == (True, True)
+    assert _row_savings(spec(shared_prefix="off"), dense) == (True, False)
+    assert _row_savings(spec(pad_free="off"), dense) == (False, False)
+    assert _row_savings(spec(), moe) == (True, False) and _row_savings(spec(), vl) == (True, False)
+    assert _row_savings(None, dense) == (False, False)
+
+
 def test_padded_micro_batches_cover_the_rank_and_weigh_to_whole_calls():
     """Every deal covers the rank's sequences of each update once; with a budget that fits them
     all, a batch with one long tail is still split when that saves more padding than a micro-

@@ -46,7 +46,7 @@ def step_lower_bound(pred: Prediction, setup: ExperimentSetup, cluster: ClusterS
     """The bound for the experiment ``pred`` (any compiled plan of it: only its graph and the
     work of each MFC are used, not its allocation)."""
     plan = pred.plan
-    works = works_of(plan, workload, setup.rollout)
+    works = works_of(plan, workload, setup.rollout, setup.models, model_cfgs)
     facts = {r: ModelFacts.from_hf(c) for r, c in model_cfgs.items()}
     n = cluster.n_devices
     fastest: dict[str, tuple[str, float]] = {}

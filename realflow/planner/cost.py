@@ -99,6 +99,15 @@ class Work:
     seq_len_max: float = 0.0  # the longest sequence (0: all are seq_len long)
     seq_len_min: float = 0.0  # the shortest (0: 1 token)
     group: int = 1  # sequences per sample (a prompt's answers: they share a micro-batch)
+    # the engine runs micro-batches pad-free (training.pad_free): cut by real tokens, no padding
+    pad_free: bool = False
+    # prompt tokens per sequence a group computes once (training.shared_prefix; 0 = none shared)
+    shared_prompt: float = 0.0
+
+    @property
+    def computed_len(self) -> float:
+        """Rows computed per sequence: its length, less its share of a prompt computed once per group."""
+        return self.seq_len - self.shared_prompt * (1.0 - 1.0 / max(self.group, 1))
 
 
 @dataclass
@@ -153,7 +162,7 @@ def mfc_cost(facts: ModelFacts, s: ParallelStrategy, workers: Sequence[int], wor
     # every update's mini-batch is split into micro-batches of its own (padded ones: the runtime's
     # partition, see microbatches.py); the engine pipelines the micro-batches it is given, not
     # more: with fewer micro-batches than stages, 1F1B's bubble is most of the step
-    shapes = micro_batch_shapes(work, s.dp, s.pp, dev.packed_attention)
+    shapes = micro_batch_shapes(work, s.dp, s.pp, dev.packed_attention or work.pad_free)
     mbs = sum(w for w, _, _ in shapes)  # expected micro-batches (padded: averaged over deals)
     factor = 3.0 if work.kind == "train" else 1.0
     tokens = 0.0

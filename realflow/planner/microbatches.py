@@ -1,7 +1,8 @@
 """The micro-batches one rank runs an MFC's batch as, for the cost model.
 
-Why not "tokens / budget" micro-batches of the mean length: an engine without packed attention
-(the CPU engine) runs each micro-batch padded to its longest sequence, and the runtime groups
+Why not always "tokens / budget" micro-batches of the mean length: an engine without packed
+attention (megatron's own attention on a CPU, ``training.pad_free=off``) runs each micro-batch
+padded to its longest sequence, and the runtime groups
 sequences of similar length to waste little (:func:`realflow.api.padded_partition.padded_partition`,
 called here with the runtime's own budget and per-micro-batch overhead: no second copy of its
 rules). A 64-sequence PPO update here ran as 48 short sequences and 16 long ones, not one block of
@@ -50,7 +51,8 @@ DRAWS = 8  # random assignments of the lengths to samples, averaged over
 def micro_batch_shapes(work: Any, dp: int, pp: int, packed: bool) -> tuple[tuple[float, float, float], ...]:
     """``(weight, sequences, length each is computed at)`` of the micro-batches of one data-parallel
     rank's call (all its updates), the weights summing to its expected number of micro-batches.
-    Packed attention: the token budget's equal split at the mean length, weight 1. Padded: the
+    Packed attention: the token budget's equal split at the mean length, weight 1, each sequence
+    computed at :attr:`Work.computed_len` (a group's shared prompt once). Padded: the
     runtime's partition of the synthetic lengths, dealt in order (weight 1/2) and at random
     (``DRAWS`` seeded deals, 1/2 among them); with ``pp > 1`` every micro-batch at its update's
     longest (one tensor shape through the pipeline)."""
@@ -60,7 +62,7 @@ def micro_batch_shapes(work: Any, dp: int, pp: int, packed: bool) -> tuple[tuple
     if packed or longest <= work.seq_len:
         tokens = seqs * work.seq_len
         n_mbs = max(1, math.ceil(tokens / work.max_tokens_per_mb)) if work.max_tokens_per_mb else 1
-        return ((1.0, seqs / n_mbs, work.seq_len),) * (n_mbs * updates)
+        return ((1.0, seqs / n_mbs, work.computed_len if packed else work.seq_len),) * (n_mbs * updates)
     everything = synthetic_lengths(max(int(round(work.seqs)), 1), work.seq_len, longest, work.seq_len_min or 1.0)
     per_update = max(int(round(seqs)), 1)
     group = max(int(work.group), 1)

@@ -115,9 +115,27 @@ def planned_setup(setup: ExperimentSetup, model_cfgs: dict[str, dict[str, Any]],
     return dataclasses.replace(setup, models=models, n_workers=cluster.n_devices, allocation=allocation)
 
 
-def works_of(plan: ExecutionPlan, workload: Workload, rollout: Any = None) -> dict[str, Work]:
+def _row_savings(spec: Any, cfg: Optional[dict[str, Any]]) -> tuple[bool, bool]:
+    """(pad-free, shared prompts) as the engine resolves ``training.*`` for this model: pad-free
+    unless ``off``; a shared prompt needs pad-free rows and a dense text model (see
+    parallel/shared_prefix.py)."""
+    opts = getattr(spec, "training", None)
+    if opts is None:
+        return False, False
+    pad_free = opts.pad_free != "off"
+    cfg = cfg or {}
+    dense_text = not (cfg.get("num_experts") or "vision_config" in cfg or "text_config" in cfg)
+    return pad_free, pad_free and opts.shared_prefix != "off" and dense_text
+
+
+def works_of(plan: ExecutionPlan, workload: Workload, rollout: Any = None,
+             models: Optional[dict[str, Any]] = None,
+             model_cfgs: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, Work]:
     """What each MFC processes. An asynchronous trainer's graph has no generate MFC: its MFCs
-    take ``n_seqs`` rollouts of the rollout agent's ``n_samples`` generated sequences each."""
+    take ``n_seqs`` rollouts of the rollout agent's ``n_samples`` generated sequences each.
+    ``models`` (role -> ModelSpec) and ``model_cfgs`` (role -> HF config): ``training.pad_free`` /
+    ``shared_prefix`` and whether the model can take them, which set the rows a train or
+    inference MFC computes."""
     gens = [m for m in plan.graph.mfcs if m.interface_type == ModelInterfaceType.GENERATE]
     generated = max((m.n_seqs * int(m.interface_args.get("n_samples", 1)) for m in gens), default=0)
     per_rollout = int((getattr(rollout, "agent_args", None) or {}).get("n_samples", 1)) if rollout is not None else 0
@@ -133,15 +151,22 @@ def works_of(plan: ExecutionPlan, workload: Workload, rollout: Any = None) -> di
             out[m.name] = Work("generate", m.n_seqs * int(m.interface_args.get("n_samples", 1)),
                                workload.prompt_len + min(workload.gen_len_mean, gmax), workload.prompt_len,
                                gmax, min(workload.gen_len_mean, gmax), mb)
-        elif gens or per_rollout:
+            continue
+        role = plan.placements[m.name].role
+        spec = (models or {}).get(role)
+        pad_free, shared = _row_savings(spec, (model_cfgs or {}).get(role) or getattr(spec, "expected_config", None))
+        if gens or per_rollout:
+            group = max(gen_group, per_rollout, 1)
             out[m.name] = Work(kind, generated or m.n_seqs * per_rollout, workload.prompt_len + workload.gen_len_mean,
                                max_tokens_per_mb=mb or int(workload.max_tokens_per_mb),
                                updates=ups if kind == "train" else 1,
                                seq_len_max=workload.prompt_len + workload.gen_len_max,
-                               seq_len_min=workload.prompt_len + 1, group=max(gen_group, per_rollout, 1))
+                               seq_len_min=workload.prompt_len + 1, group=group, pad_free=pad_free,
+                               shared_prompt=workload.prompt_len if shared and group > 1 else 0.0)
         else:
             out[m.name] = Work(kind, m.n_seqs, workload.seq_len, max_tokens_per_mb=mb or int(workload.max_tokens_per_mb),
-                               updates=ups if kind == "train" else 1, seq_len_max=workload.seq_len_max)
+                               updates=ups if kind == "train" else 1, seq_len_max=workload.seq_len_max,
+                               pad_free=pad_free)
     return out
 
 
@@ -157,7 +182,7 @@ def simulate(setup: ExperimentSetup, cluster: ClusterSpec, model_cfgs: dict[str,
     alloc = setup.allocation if allocation is None else allocation
     ps = planned_setup(setup, model_cfgs, cluster, alloc)
     plan = compile_plan(ps, capacity_bytes=cluster.device.memory_bytes)
-    works = works_of(plan, workload, setup.rollout)
+    works = works_of(plan, workload, setup.rollout, ps.models, model_cfgs)
     facts = {r: ModelFacts.from_hf(c) for r, c in model_cfgs.items()}
     backends = {r: model_backends.get(ps.models[r].backend)() for r in facts}
     low = cluster.device.params_bytes == 2

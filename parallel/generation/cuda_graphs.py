@@ -10,7 +10,8 @@ captured on, and every shape must be fixed. So:
 * the context is padded to a bucket of positions (a power of two of blocks, up to the longest
   sequence); positions past a row's own are masked, as in the eager step;
 * one graph per (row bucket, context bucket), captured the first time it is needed (after one
-  warm-up run on a side stream, as torch requires), replayed after.
+  warm-up run on a side stream, as torch requires), replayed after; all share one memory pool
+  (they never run at once, and a step reads its logits before the next replay).
 
 Weights are updated in place, so graphs stay valid across weight updates; a staged update swaps
 the weight tensors for new ones, and the graphs captured on the old ones are dropped.
@@ -51,6 +52,7 @@ class DecodeGraphs:
         self._steps = torch.arange(table_width * self.bs, device=dev)
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._weights_id = id(decoder.w)
+        self._pool: Any = None  # the graphs' shared memory pool (they replay one at a time)
         self.captured = 0  # graphs captured so far (stats)
 
     def run(self, tokens: torch.Tensor, pos: torch.Tensor, tables: torch.Tensor,
@@ -94,7 +96,9 @@ class DecodeGraphs:
             self._forward(rows, blocks)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self._pool):  # one memory pool for every bucket's graph
             logits = self._forward(rows, blocks)
         self.captured += 1
         return graph, logits

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -43,8 +42,8 @@ from parallel.generation.pager import Pager
 from parallel.generation.weight_updates import WeightUpdatesMixin
 from parallel.generation.kv_budget import kv_layout
 from parallel.generation.routing import new_buffer
-from parallel.generation.sampler import SampleBatch, sample
 from parallel.generation.sequence import RowFlags, Seq
+from parallel.generation.rows import RowsMixin
 from parallel.generation.stepping import SteppingMixin
 from parallel.generation.vision import EngineVision, shared_tower, vision_tower_for
 from parallel.generation.weights import DecoderWeights, ModelSpec, load_hf_weights
@@ -108,7 +107,7 @@ def _tp_info(tp_group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
-class GenerationEngine(SteppingMixin, WeightUpdatesMixin):
+class GenerationEngine(SteppingMixin, RowsMixin, WeightUpdatesMixin):
     """KV-cache generation on one tp rank's megatron-layout weights (see module docstring)."""
 
     def __init__(self, hf_config: Any, weights: Mapping[str, torch.Tensor],
@@ -382,156 +381,6 @@ class GenerationEngine(SteppingMixin, WeightUpdatesMixin):
         """
         with torch.inference_mode():
             return self._step()
-
-    def _set_slots(self, row0: int, joined: list[Seq]) -> None:
-        """Write the joining requests' settings into their slots' rows."""
-        J, dev = len(joined), self._pos.device
-        rows = slice(row0, row0 + J)
-        ps = [s.params for s in joined]
-        self._temp[rows] = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps])
-        self._top_k[rows] = torch.tensor([p.top_k for p in ps], dtype=torch.long)
-        self._top_p[rows] = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
-        self._min_p[rows] = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
-        self._lp_sampling[rows] = torch.tensor([p.logprob_mode != "raw" for p in ps])
-        self._budget[rows] = torch.tensor(
-            [min(p.max_new_tokens, self._max_context - len(s.prompt)) - len(s.out)
-             for s, p in zip(joined, ps)], dtype=torch.long)
-        width = max(len(s.stop_ids) for s in joined)
-        if width > self._stops.shape[1]:
-            with torch.inference_mode(False):  # engine state: a normal tensor, writable anywhere
-                grown = torch.full((self._stops.shape[0], width), -1, dtype=torch.long, device=dev)
-                grown[:, : self._stops.shape[1]] = self._stops
-            self._stops = grown
-        table = torch.full((J, self._stops.shape[1]), -1, dtype=torch.long)
-        for i, s in enumerate(joined):
-            if s.stop_ids:
-                table[i, : len(s.stop_ids)] = torch.tensor(sorted(s.stop_ids), dtype=torch.long)
-        self._stops[rows] = table.to(dev)
-
-    def _slot_tensors(self) -> tuple[torch.Tensor, ...]:
-        state = (self._last, self._pos, self._temp, self._top_k, self._top_p, self._min_p, self._lp_sampling,
-                 self._budget, self._stops, self._tables)
-        return state if self._delta is None else state + (self._delta,)
-
-    def _row_flags(self, row0: int, B: int) -> "RowFlags":
-        """What rows ``row0..row0+B-1`` need beyond greedy decoding; cached until the running
-        set changes (a steady decode step then loops over no request in Python)."""
-        key = (row0, B)
-        flags = self._flags.get(key)
-        if flags is None:
-            seqs = self._running[row0:row0 + B]
-            sampled = [i for i, s in enumerate(seqs) if s.samples]
-            rows = None
-            if sampled and len(sampled) < B:
-                rows = torch.tensor(sampled, device=self._pos.device)
-            flags = RowFlags(sampled, rows, any(seqs[i].truncates for i in sampled),
-                              any(s.params.logprob_mode != "raw" for s in seqs),
-                              any(s.stop_ids for s in seqs),
-                              [i for i, s in enumerate(seqs) if s.params.stop])
-            self._flags[key] = flags
-        return flags
-
-    def _sample_batch(self, row0: int, seqs: list[Seq], flags: "RowFlags") -> Optional[SampleBatch]:
-        if not flags.sampled:
-            return None
-        uniform = torch.tensor([seqs[i].rng.random() for i in flags.sampled], dtype=torch.float64,
-                               device=self._pos.device)
-        sl = slice(row0, row0 + len(seqs))
-        temp, top_k, top_p, min_p = self._temp[sl], self._top_k[sl], self._top_p[sl], self._min_p[sl]
-        if flags.rows is not None:
-            temp, top_k, top_p, min_p = temp[flags.rows], top_k[flags.rows], top_p[flags.rows], min_p[flags.rows]
-        return SampleBatch(flags.rows, temp, top_k, top_p, min_p, uniform, truncate=flags.truncate)
-
-    def _accept(self, row0: int, logits: torch.Tensor, finished: dict[int, dict[str, Any]],
-                decode: bool) -> None:
-        """Sample rows ``row0..row0+B-1``, append to their sequences, find the finished ones.
-
-        Stop ids and length limits are tested for all rows at once on the
-        per-slot tensors; only rows that may have finished (and rows with stop
-        strings, which need the tokenizer) go through :meth:`_finish_reason`.
-        """
-        B = logits.shape[0]
-        sl = slice(row0, row0 + B)
-        seqs = self._running[sl]
-        flags = self._row_flags(row0, B)
-        finite = torch.isfinite(logits).all(-1)  # a NaN/inf row would sample garbage: that request fails
-        bad_rows = [] if bool(finite.all()) else (~finite).nonzero().flatten().tolist()
-        if bad_rows:
-            logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
-        tokens, raw, proc = sample(logits, self._sample_batch(row0, seqs, flags))
-        logprobs = torch.where(self._lp_sampling[sl], proc, raw) if flags.lp_sampling else raw
-        self._last[sl] = tokens
-        if decode:  # the fed token now sits in the cache
-            self._pos[sl] += self._one
-        maybe_done = self._budget[sl].sub_(self._one) <= self._zero
-        if flags.stop_ids:
-            maybe_done |= (tokens[:, None] == self._stops[sl]).any(-1)
-        toks, lps, version = tokens.tolist(), logprobs.tolist(), self.version
-        for i in bad_rows:  # the request fails now; nothing sampled from these logits is kept
-            finished[row0 + i] = {"type": "error", "message": f"non-finite logits at output token "
-                                  f"{len(seqs[i].out)} of request {seqs[i].request_rid or seqs[i].rid} "
-                                  f"(weight version {version})", "weight_version": version}
-            self.nonfinite_requests += 1
-        skip = set(bad_rows)
-        for i, (seq, tok, lp) in enumerate(zip(seqs, toks, lps)):
-            if i in skip:
-                continue
-            seq.out.append(tok)
-            seq.logprobs.append(lp)
-            seq.versions.append(version)
-        self.tokens_generated += B - len(bad_rows)
-        check = flags.stop_strings
-        if bool(maybe_done.any()):
-            check = sorted(set(check).union(maybe_done.nonzero().flatten().tolist()))
-        for i in check:
-            if i in skip:
-                continue
-            reason = self._finish_reason(seqs[i], toks[i])
-            if reason is not None:
-                finished[row0 + i] = reason
-
-    def _finish_reason(self, seq: Seq, tok: int) -> Optional[dict[str, Any]]:
-        if tok in seq.stop_ids:
-            return {"type": "stop", "matched": tok}
-        if seq.params.stop:
-            text = self.tokenizer.decode(seq.out[-seq.stop_window:])
-            for s in seq.params.stop:
-                if s in text:
-                    return {"type": "stop", "matched": s}
-        if len(seq.out) >= seq.params.max_new_tokens:
-            return {"type": "length", "length": len(seq.out)}
-        if len(seq.prompt) + len(seq.out) >= self._max_context:
-            return {"type": "length", "length": len(seq.out)}
-        return None
-
-    @torch.inference_mode()
-    def _remove_rows(self, finished: dict[int, dict[str, Any]]) -> list[tuple[int, GenerationResult]]:
-        """Remove rows, moving the last surviving rows into the holes (a compact batch); all
-        the moves are one indexed copy per tensor, whatever the number of rows."""
-        if not finished:
-            return []
-        self._flags.clear()
-        n = len(self._running)
-        n_new = n - len(finished)
-        out = []
-        for row in sorted(finished):
-            seq = self._running[row]
-            self.pager.release(seq)
-            self._ids.discard(seq.rid)
-            out.append((row, seq.result(finished[row])))
-        holes = [r for r in sorted(finished) if r < n_new]
-        movers = [r for r in range(n_new, n) if r not in finished]
-        if holes:
-            dev = self._pos.device
-            src, dst = torch.tensor(movers, device=dev), torch.tensor(holes, device=dev)
-            if self.cache is not None:
-                self.cache.move_rows(src, dst, int(self._pos[src].max()))
-            for t in self._slot_tensors():
-                t[dst] = t[src]
-            for h, m in zip(holes, movers):
-                self._running[h] = self._running[m]
-        del self._running[n_new:]
-        return out
 
     # ------------------------------------------------------------ helpers
 

@@ -36,16 +36,16 @@ from __future__ import annotations
 
 import contextlib
 import math
-import zlib
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from parallel.cpu_compat import apply_cpu_compat
-from parallel.engine_generator import colocated_generator
 from parallel.engine_hf import EngineHFMixin
 from parallel.engine_lora import load_adapter
+from parallel.engine_infer import EngineInferenceMixin
+from parallel.engine_step import EngineStepMixin
 from parallel.groups import ModelGroups, agree_or_raise
 from parallel.hf_io import CheckpointError
 from parallel.hf_layout import execute_hf_load, plan_hf_load
@@ -54,42 +54,24 @@ from parallel.mcore_globals import seed_megatron_rng
 from parallel.model import build_gpt_model
 from parallel.model_config import recompute_overrides
 from parallel.moe_step import build_moe_step
-from parallel.nonfinite import (
-    NonFiniteError,
-    NonFinitePolicy,
-    clip_with_norm,
-    describe_micro_batch,
-    first_nonfinite,
-    params_finite,
-)
+from parallel.nonfinite import NonFinitePolicy
 from parallel.optim import EngineOptimizerConfig, build_optimizer
 from parallel.flops import TokenFlops, causal_pairs
 from parallel.packed_batch import resolve_pad_free
 from parallel.shared_prefix import resolve_shared_prefix
 from parallel.optim_offload import OptimizerOffload
 from parallel.outputs import TokenOutputs
-from parallel.pipeline import (
-    MicroBatch,
-    ScheduleRunner,
-    next_token_targets,
-    share_from_last_stage,
-    split_packed,
-)
+from parallel.pipeline import MicroBatch, ScheduleRunner, share_from_last_stage
 from parallel.packing import check_packed
-from parallel.vision import image_layout
 from parallel.vision_step import VisionStep
 from realflow.api.allocation import ParallelStrategy
-from realflow.api.engine import BatchGenerator, LossFn, MicroBatches
+from realflow.api.engine import LossFn, MicroBatches
 from realflow.api.images import IMAGES_EXTRA
 from realflow.api.keys import ROUTED_EXPERTS
 from realflow.api.model_options import LoRAConfig, MoEConfig, TrainingMemoryConfig
-from realflow.api.padded_partition import padded_partition
-from realflow.base.devices import to_device, to_host
+from realflow.base.devices import to_device
 
 __all__ = ["MegatronEngine", "EngineOptimizerConfig", "TokenOutputs", "LossFn"]
-
-_RESERVED = ("loss", "grad_norm", "lr", "n_tokens", "n_computed_tokens", "flops_useful", "flops_computed",
-             "loss_weight", "n_mbs", "update_successful", "nonfinite_skipped")
 
 
 def _load_hf_config(hf_config: Any) -> Any:
@@ -100,12 +82,7 @@ def _load_hf_config(hf_config: Any) -> Any:
     return hf_config
 
 
-def _mb_signature(mbs: list[MicroBatch]) -> int:
-    """crc32 of the micro-batch structure (what every rank of a replica must agree on)."""
-    return zlib.crc32(";".join(",".join(map(str, mb.seqlens)) for mb in mbs).encode())
-
-
-class MegatronEngine(EngineHFMixin):
+class MegatronEngine(EngineInferenceMixin, EngineStepMixin, EngineHFMixin):
     """A megatron GPTModel (LM or critic; + optimizer when trainable) on one model's groups."""
 
     def __init__(
@@ -258,64 +235,6 @@ class MegatronEngine(EngineHFMixin):
                             self.critic)
 
     @torch.no_grad()
-    def _infer(self, input_ids: torch.Tensor, seqlens: list[int], max_tokens_per_mb: Optional[int],
-               fn: Callable[[TokenOutputs, MicroBatch], Any], routes: Optional[torch.Tensor] = None,
-               images: Optional[list[Any]] = None) -> list[Any]:
-        """Forward-only schedule over contiguous micro-batches; ``fn`` per micro-batch on the
-        last stage ([] elsewhere)."""
-        mbs = split_packed(input_ids, seqlens, max_tokens_per_mb, routes, images)
-        self.model.eval()
-        return self._runner.run(self.model, mbs,
-                                lambda mb, valid, out: fn(self._token_outputs(valid, out), mb),
-                                forward_only=True, device=self.device)
-
-    @torch.no_grad()
-    def _infer_tokens(self, input_ids: torch.Tensor, seqlens: list[int], max_tokens_per_mb: Optional[int],
-                      fn: Callable[[TokenOutputs, MicroBatch], Any], routes: Optional[torch.Tensor] = None,
-                      images: Optional[list[Any]] = None) -> Any:
-        """Forward-only, ``fn`` returning per-token tensors (or a tuple of them): the packed
-        result in the input's order, on output ranks (None elsewhere).
-
-        Under a budget, sequences of similar length share a micro-batch (each runs padded
-        to its longest; see realflow.api.padded_partition), and the outputs are put back
-        in the input's order; pad-free, contiguous runs of sequences fill the budget.
-        """
-        seqlens = [int(n) for n in seqlens]
-        if self.pad_free:  # cost = real tokens: contiguous runs under the budget, no reordering
-            return self._packed_result(self._infer(input_ids, seqlens, max_tokens_per_mb, fn, routes, images))
-        parts = [list(range(len(seqlens)))] if max_tokens_per_mb is None or not seqlens else \
-            padded_partition([[n] for n in seqlens], 1, max_tokens_per_mb)
-        if len(parts) == 1:
-            return self._packed_result(self._infer(input_ids, seqlens, None, fn, routes, images))
-        check_packed(input_ids, seqlens)
-        offs = [0]
-        for n in seqlens:
-            offs.append(offs[-1] + n)
-        mbs = [MicroBatch(torch.cat([input_ids[offs[i]:offs[i + 1]] for i in p]), [seqlens[i] for i in p],
-                          routes=None if routes is None else torch.cat([routes[offs[i]:offs[i + 1]] for i in p]),
-                          images=None if images is None else [images[i] for i in p])
-               for p in parts]
-        self.model.eval()
-        outs = self._runner.run(self.model, mbs, lambda mb, valid, out: fn(self._token_outputs(valid, out), mb),
-                                forward_only=True, device=self.device)
-        result = self._packed_result(outs)
-        if result is None:
-            return None
-        where = torch.cat([torch.arange(offs[i], offs[i + 1]) for p in parts for i in p])
-
-        def unpermute(t: torch.Tensor) -> torch.Tensor:
-            back = torch.empty_like(t)
-            back[where.to(t.device)] = t
-            return back
-        return tuple(unpermute(t) for t in result) if isinstance(result, tuple) else unpermute(result)
-
-    def _packed_result(self, parts: list[Any]) -> Any:
-        if not self.is_output_rank:
-            return None
-        if parts and isinstance(parts[0], tuple):
-            return tuple(to_host(torch.cat(p)) for p in zip(*parts))
-        return to_host(torch.cat(parts))
-
     def dp_sum(self, values: list[float]) -> list[float]:
         """Sum ``values`` over this model's data-parallel group (identity when dp == 1)."""
         t = torch.tensor(values, dtype=torch.float64)
@@ -345,151 +264,6 @@ class MegatronEngine(EngineHFMixin):
         if self.groups.strategy.dp > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
         return t.tolist()
-
-    # ------------------------------------------------------------------ inference
-
-    def forward(self, input_ids: torch.Tensor, seqlens: list[int],
-                max_tokens_per_mb: Optional[int] = None, *,
-                routed_experts: Optional[torch.Tensor] = None,
-                images: Optional[list[Any]] = None) -> Optional[torch.Tensor]:
-        """Packed fp32 logits ``[sum(seqlens), vocab_size]`` (HF vocab) on output ranks.
-
-        Gathers the full vocabulary over tp: for log-probs use :meth:`logprobs`.
-        A critic returns its values ``[sum(seqlens), 1]``.  ``routed_experts``, ``images``: see
-        :meth:`logprobs`.
-        """
-        def fn(out: TokenOutputs, mb: MicroBatch) -> torch.Tensor:
-            return out.values()[:, None] if self.critic else out.logits()
-
-        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn, self._routes(routed_experts),
-                                  self._images(images, seqlens, input_ids))
-
-    def _images(self, images: Optional[list[Any]], seqlens: list[int],
-                input_ids: Optional[torch.Tensor] = None) -> Optional[list[Any]]:
-        """Per-sequence images of a VL model, checked against ``input_ids``' placeholders here, before
-        any collective (a mismatch found inside one rank's forward would leave its peers waiting in
-        the gradient all-reduce); images given to a text-only model are refused."""
-        if images is None:
-            return None
-        if self.vision_step is None:
-            if any(img is not None and img.num_images for img in images):
-                raise ValueError(f"images given to a text-only model (model_type={self.arch.model_type!r}); "
-                                 f"use a vision-language model such as Qwen2.5-VL")
-            return None
-        if len(images) != len(seqlens):
-            raise ValueError(f"images: {len(images)} entries for {len(seqlens)} sequences")
-        if input_ids is not None:
-            off = 0
-            for i, (n, img) in enumerate(zip(seqlens, images)):
-                grid = None if img is None or img.num_images == 0 else img.grid_thw
-                try:
-                    image_layout(input_ids[off:off + int(n)].cpu(), grid, self.arch.vision)
-                except ValueError as e:
-                    raise ValueError(f"sequence {i}: {e}") from None
-                off += int(n)
-        return list(images)
-
-    def _routes(self, routed_experts: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Replayed experts for an MoE model with replay on (else ignored: a dense model has none)."""
-        if routed_experts is None or self.moe_step is None or not self.moe_step.replay:
-            return None
-        return routed_experts
-
-    def logprobs(self, input_ids: torch.Tensor, seqlens: list[int],
-                 max_tokens_per_mb: Optional[int] = None, *, temperature: float = 1.0,
-                 with_entropy: bool = False, routed_experts: Optional[torch.Tensor] = None,
-                 images: Optional[list[Any]] = None) -> Any:
-        """Log-prob of each next token, packed fp32 ``[sum(seqlens)]``, on output ranks.
-
-        ``out[t] = log p(input_ids[t + 1] | input_ids[..t])`` within each sequence; the
-        last position of every sequence has no next token and holds 0.  Computed on
-        the vocab shards (no full-vocab gather).  ``with_entropy=True`` returns
-        ``(logprobs, entropy)``, entropy of the next-token distribution at every
-        position.  Logits are divided by ``temperature`` first.  ``routed_experts`` (MoE,
-        routing replay): packed ``[sum(seqlens), layers, k]`` expert ids the generator chose per
-        token (``-1`` rows: the router's own choice), used instead of the router's top-k.
-        ``images`` (VL models): one :class:`realflow.api.images.ImageInputs` (or None) per
-        sequence, whose placeholders (already expanded) in ``input_ids`` get the tower's features.
-        """
-        if self.critic:
-            raise TypeError("logprobs() on a critic engine (use values())")
-
-        def fn(out: TokenOutputs, mb: MicroBatch) -> Any:
-            targets, valid = next_token_targets(mb.input_ids.to(self.device), mb.seqlens)
-            lp, ent = out.logprobs_and_entropy(targets, temperature) if with_entropy else \
-                (out.logprobs(targets, temperature), None)
-            lp = torch.where(valid, lp, torch.zeros_like(lp))
-            return (lp, ent) if with_entropy else lp
-
-        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, fn, self._routes(routed_experts),
-                                  self._images(images, seqlens, input_ids))
-
-    def values(self, input_ids: torch.Tensor, seqlens: list[int],
-               max_tokens_per_mb: Optional[int] = None, *,
-               images: Optional[list[Any]] = None) -> Optional[torch.Tensor]:
-        """Critic values per token, packed fp32 ``[sum(seqlens)]``, on output ranks."""
-        if not self.critic:
-            raise TypeError("values() on an LM engine (build it with critic=True)")
-        return self._infer_tokens(input_ids, seqlens, max_tokens_per_mb, lambda out, mb: out.values(),
-                                  images=self._images(images, seqlens, input_ids))
-
-    @torch.no_grad()
-    def greedy_generate(self, prompts: list[list[int]], max_new_tokens: int,
-                        eos_token_id: Optional[int] = None,
-                        max_tokens_per_mb: Optional[int] = None, *,
-                        images: Optional[list[Any]] = None) -> list[list[int]]:
-        """Greedy continuation of each prompt (batched, no KV cache), on every rank of
-        the replica.  Returns the NEW tokens of each prompt, ending with
-        ``eos_token_id`` when it was generated.  ``images``: one ImageInputs (or None) per prompt."""
-        if self.critic:
-            raise TypeError("greedy_generate() on a critic engine")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("greedy_generate: empty prompt")
-        seqs = [list(map(int, p)) for p in prompts]
-        images = self._images(images, [len(p) for p in prompts])
-        new: list[list[int]] = [[] for _ in prompts]
-        active = list(range(len(prompts)))
-        for _ in range(max_new_tokens):
-            if not active:
-                break
-            lens = [len(seqs[i]) for i in active]
-            ids = torch.tensor([t for i in active for t in seqs[i]], dtype=torch.long)
-
-            def last_argmax(out: TokenOutputs, mb: MicroBatch) -> torch.Tensor:
-                ends = torch.tensor(mb.seqlens).cumsum(0) - 1
-                return out.argmax()[ends]
-
-            parts = self._infer(ids, lens, max_tokens_per_mb, last_argmax,
-                                images=None if images is None else [images[i] for i in active])
-            nxt = to_host(torch.cat(parts)) if parts else torch.empty(len(active), dtype=torch.long)
-            if self.groups.strategy.pp > 1:  # the last stage tells the others
-                src = self.groups.rank_at(dp=self.groups.dp_rank, tp=self.groups.tp_rank,
-                                          pp=self.groups.strategy.pp - 1)
-                dist.broadcast(nxt, src=src, group=self.groups.pp_group)
-            still = []
-            for i, tok in zip(active, nxt.tolist()):
-                seqs[i].append(tok)
-                new[i].append(tok)
-                if eos_token_id is None or tok != eos_token_id:
-                    still.append(i)
-            active = still
-        return new
-
-    def generator(self, context: int, *, version: int, tokenizer: Any = None, max_running: int = 256,
-                  gpu_memory_utilization: Optional[float] = None,
-                  max_model_len: Optional[int] = None) -> BatchGenerator:
-        """The generation engine over this engine's parameters (built once, then reused; pp = 1, LM only).
-
-        ``context``: the longest prompt + new tokens the caller needs; a later call that needs
-        more frees the old KV cache and builds a larger one. ``version``: the model's weight
-        version; when it differs from the generator's, the weights moved in place since the
-        last call (an optimizer step, a reallocation) and the generator refreshes what it
-        derives from them. ``tokenizer`` (for stop strings) is taken when the generator is built.
-        ``gpu_memory_utilization`` / ``max_model_len`` size its KV cache (``ppo.*`` keys; see
-        :mod:`parallel.engine_generator` for the defaults).
-        """
-        return colocated_generator(self, context, version=version, tokenizer=tokenizer, max_running=max_running,
-                                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
 
     # ------------------------------------------------------------------ training
 
@@ -610,112 +384,3 @@ class MegatronEngine(EngineHFMixin):
         if self.moe_step is not None:
             out.update(self.moe_step.reduced_stats())
         return out
-
-    def configure_nonfinite(self, mode: str, max_skips: int) -> None:
-        """What a step with a non-finite loss or gradient does: ``stop`` or ``skip`` (see
-        :mod:`parallel.nonfinite`)."""
-        self.nonfinite_policy = NonFinitePolicy(mode, int(max_skips))
-        self.nonfinite_run = 0
-
-    def _locate_nonfinite_loss(self, loss_sums: list[float], sample_ids: Optional[list[Sequence[Any]]]
-                               ) -> dict[str, Any]:
-        """The dp rank whose micro-batch is first non-finite reports it (the lowest such rank)."""
-        g = self.groups
-        local = first_nonfinite(loss_sums)
-        t = torch.tensor([g.dp_rank if local is not None else g.strategy.dp], dtype=torch.int64)
-        if g.strategy.dp > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=g.dp_group)
-        reporter = int(t[0])
-        text = None
-        if reporter == g.dp_rank and local is not None:
-            ids = sample_ids[local] if sample_ids is not None and local < len(sample_ids) else None
-            text = describe_micro_batch(local, g.dp_rank, loss_sums[local], ids)
-        return {"dp_rank": reporter, "text": text}
-
-    def _checked_step(self, bad_loss: Optional[dict[str, Any]]) -> tuple[bool, float]:
-        """The optimizer step, unless the loss or the gradient norm is not finite (then nothing
-        changes: see :mod:`parallel.nonfinite`). Returns (applied, gradient norm)."""
-        g = self.groups
-        opt = self.optimizer
-        found_inf = opt.prepare_grads()
-        grad_norm = float(opt.get_grad_norm() or 0.0)  # over every rank of the model: all agree
-        problem, reporter = None, False
-        if bad_loss is not None:
-            problem = bad_loss["text"] or f"non-finite loss on data-parallel rank {bad_loss['dp_rank']}"
-            reporter = bad_loss["text"] is not None and self.is_output_rank
-        elif found_inf or not math.isfinite(grad_norm):
-            problem = f"non-finite gradient norm ({grad_norm}) after the data-parallel reduction"
-            reporter = g.global_rank == g.ranks[0]
-        if problem is None:
-            clip = float(opt.config.clip_grad or 0.0)
-            if clip > 0:
-                clip_with_norm(opt, clip, grad_norm)
-            opt.step_with_ready_grads()
-            self.scheduler.step(increment=1)
-            self.version += 1
-            self.nonfinite_run = 0
-            if not params_finite(self._param_storage()):
-                raise NonFiniteError(f"parameters not finite after an update with finite loss and gradient norm "
-                                     f"({grad_norm}) on rank {g.global_rank}: the optimizer overflowed (check lr "
-                                     f"and eps); the update is applied, so the run stops")
-            return True, grad_norm
-        self.nonfinite_run += 1
-        pol = self.nonfinite_policy
-        if reporter and (pol.mode == "stop" or self.nonfinite_run > pol.max_skips):
-            why = "" if pol.mode == "stop" else \
-                f"; {self.nonfinite_run} consecutive steps skipped > max_nonfinite_skips={pol.max_skips}"
-            raise NonFiniteError(f"{problem}; the update was not applied{why}")
-        return False, grad_norm
-
-    def _param_storage(self) -> list[torch.Tensor]:
-        """Every parameter, as few tensors as possible: the DDP buffers the trained ones are views of
-        (one reduction each instead of one per parameter), then any parameter outside them."""
-        if self._storage is None:
-            bufs = [b.param_data for b in [*getattr(self.model, "buffers", []),
-                                           *getattr(self.model, "expert_parallel_buffers", [])]
-                    if getattr(b, "param_data", None) is not None]
-            held = {t.untyped_storage().data_ptr() for t in bufs}
-            outside = [p for p in self.module.parameters() if p.untyped_storage().data_ptr() not in held]
-            self._storage = bufs + outside
-        return self._storage
-
-    def _check_replica_agrees(self, mbs: list[MicroBatch], problem: str) -> str:
-        """All tp/pp ranks of a dp replica must hold the same micro-batch structure."""
-        mp = self.groups.pg_collection.mp
-        if mp is None or mp.size() == 1:
-            return problem
-        sig = -1 if problem else _mb_signature(mbs)
-        t = torch.tensor([sig, -sig], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mp)
-        if problem:
-            return problem
-        if int(t[0]) != sig or int(t[1]) != -sig:
-            return (f"train_batch: the tp/pp ranks of dp replica {self.groups.dp_rank} were "
-                    f"given different micro-batches (or one had bad input); every rank of a "
-                    f"replica must pass the same micro-batches")
-        return ""
-
-    def _agreed_stat_keys(self, stats: list[dict[str, float]], errors: list[str]
-                          ) -> tuple[list[str], str]:
-        """The stat keys, checked to be the same for every micro-batch on every dp rank.
-
-        Runs on the last stage (collective over its dp group); returns (keys, error).
-        """
-        keys = sorted(stats[0]) if stats else []
-        problem = errors[0] if errors else ""
-        if not problem and any(sorted(s) != keys for s in stats):
-            problem = f"loss_fn returned different stat keys across micro-batches: " \
-                      f"{[sorted(s) for s in stats]}"
-        elif not problem and any(k in _RESERVED for k in keys):
-            problem = f"loss_fn stat keys {[k for k in keys if k in _RESERVED]} clash with " \
-                      f"engine keys {_RESERVED}"
-        sig = -1 if problem else zlib.crc32("\0".join(keys).encode())
-        t = torch.tensor([sig, -sig], dtype=torch.int64)
-        if self.groups.strategy.dp > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.dp_group)
-        if problem:
-            return keys, problem
-        if int(t[0]) != sig or int(t[1]) != -sig:
-            return keys, (f"loss_fn stat keys differ across dp ranks (this rank: {keys}) or "
-                          f"loss_fn failed on another dp rank")
-        return keys, ""

@@ -205,6 +205,23 @@ def test_a_padded_engine_pays_for_the_batchs_longest_sequence(tmp_path):
         Workload(seq_len=256, seq_len_max=100.0)
 
 
+def test_a_groups_shared_prompt_makes_its_train_and_inference_cheaper(tmp_path):
+    """GRPO's 8 answers per prompt behind a long prompt: with ``training.shared_prefix`` (the
+    default) the planner prices each group's prompt once in the actor's train step, ``off`` 8
+    times; generation is priced the same either way."""
+    from realflow.planner.simulate import Workload
+
+    cl = parse_cluster("8xh100")
+    long_prompt = Workload(prompt_len=2048, gen_len_mean=512, gen_len_max=1024)
+    times = {}
+    for mode in ("auto", "off"):
+        setup = _setup("grpo-math", tmp_path, "batch_size=64", "ppo.n_samples=8", f"training.shared_prefix={mode}")
+        pred = simulate(setup, cl, _roles(setup, "qwen2.5-1.5b"), long_prompt, "d8")
+        times[mode] = {m.name: m.end - m.start for m in pred.mfcs}
+    assert times["auto"]["actor_train"] < 0.5 * times["off"]["actor_train"]
+    assert times["auto"]["actor_gen"] == pytest.approx(times["off"]["actor_gen"])
+
+
 def test_a_precision_the_profile_does_not_price_is_refused(tmp_path):
     from realflow.system.plan_types import PlanError
 

@@ -14,7 +14,9 @@ captured on, and every shape must be fixed. So:
   (they never run at once, and a step reads its logits before the next replay).
 
 Weights are updated in place, so graphs stay valid across weight updates; a staged update swaps
-the weight tensors for new ones, and the graphs captured on the old ones are dropped.
+the weight tensors for new ones, and storage that moved (a colocated trainer's offload and
+reload) is seen at the next weight update: either way the graphs captured on the old pointers
+are dropped.
 
 Without CUDA (or with ``capture=False``) :class:`DecodeGraphs` runs the very same static-buffer
 code eagerly: CI covers the padding, bucketing and masking logic that the graphs replay.
@@ -52,6 +54,7 @@ class DecodeGraphs:
         self._steps = torch.arange(table_width * self.bs, device=dev)
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._weights_id = id(decoder.w)
+        self._weight_ptrs = self._ptrs()
         self._pool: Any = None  # the graphs' shared memory pool (they replay one at a time)
         self.captured = 0  # graphs captured so far (stats)
 
@@ -75,6 +78,7 @@ class DecodeGraphs:
         if id(self.decoder.w) != self._weights_id:  # staged weights swapped in: new tensors
             self._graphs.clear()
             self._weights_id = id(self.decoder.w)
+            self._weight_ptrs = self._ptrs()
         key = (rows, blocks)
         entry = self._graphs.get(key)
         if entry is None:
@@ -102,6 +106,17 @@ class DecodeGraphs:
             logits = self._forward(rows, blocks)
         self.captured += 1
         return graph, logits
+
+    def _ptrs(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.decoder.w.tensors.values())
+
+    def check_weights(self) -> None:
+        """Drop the graphs when a weight tensor's storage moved (they replay raw pointers); an
+        in-place update keeps them."""
+        ptrs = self._ptrs()
+        if ptrs != self._weight_ptrs:
+            self._graphs.clear()
+            self._weight_ptrs = ptrs
 
     def stats(self) -> dict[str, float]:
         return {"cuda_graphs": float(len(self._graphs))}

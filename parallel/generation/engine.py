@@ -365,6 +365,13 @@ class GenerationEngine(SteppingMixin, RowsMixin, WeightUpdatesMixin):
         self._running = []
         self._flags.clear()
 
+    def _new_weights(self, version: int) -> None:
+        """After any weight write: cached KV blocks are stale, and CUDA graphs captured on weight
+        tensors that have since moved (a staged swap, an offload and reload) are dropped."""
+        self.pager.set_version(version)
+        if self.graphs is not None:
+            self.graphs.check_weights()
+
     def flush_cache(self) -> None:
         """Drop every KV entry, cached prefixes too; running requests are re-prefilled at the next step."""
         self._retract()

@@ -27,7 +27,7 @@ __all__ = ["WeightUpdatesMixin"]
 
 class WeightUpdatesMixin:
     """Needs the engine's ``weights``, ``spec``, ``hf_config``, ``decoder``, ``version``, ``adapters``,
-    ``adapter_scaling``, ``vision``, ``_staged``, ``pager`` and ``_retract``."""
+    ``adapter_scaling``, ``vision``, ``_staged``, ``_retract`` and ``_new_weights``."""
 
     weights: DecoderWeights
     vision: Any
@@ -104,7 +104,7 @@ class WeightUpdatesMixin:
             self.vision.weights.swap(staged_vision)
         self._retract()
         self.version = v
-        self.pager.set_version(v)  # cached KV blocks were computed under the old weights
+        self._new_weights(v)
         return v
 
     def merged_adapter_update(self, adapters: Mapping[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
@@ -172,6 +172,6 @@ class WeightUpdatesMixin:
         self._retract()
         self.weights.refresh()
         self.version = self.version + 1 if version is None else int(version)
-        self.pager.set_version(self.version)  # cached KV blocks were computed under the old weights
+        self._new_weights(self.version)
         return self.version
 

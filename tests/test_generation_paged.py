@@ -13,56 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.testing import make_tiny_hf
 from realflow.api.generation import SamplingParams
+# the same tiny checkpoints (qwen2, llama3-rope, qwen3, and qwen2_b: other weights) and helpers
+from test_generation_engine import FAMILIES, PROMPTS, _engine, assert_logprobs, ckpts, greedy, hf_greedy  # noqa: F401
 
 torch.set_num_threads(1)
-LOGPROB_ATOL = 1e-4
-PROMPTS = [[5], [7, 8, 9], list(range(10, 27)), [3, 141, 59, 26, 53, 58, 97, 93, 23, 84, 62, 64, 33],
-           [100, 101], list(range(40, 100))]
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-FAMILIES = {"qwen2": dict(family="qwen2", tie_word_embeddings=False),
-            "llama": dict(family="llama", tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE),
-            "qwen3": dict(family="qwen3", tie_word_embeddings=False, head_dim=24)}
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    out = {}
-    for name, kw in FAMILIES.items():
-        path = str(tmp_path_factory.mktemp(name))
-        _, model = make_tiny_hf(path, seed=len(name), **kw)
-        out[name] = (path, model)
-    path = str(tmp_path_factory.mktemp("qwen2_b"))
-    _, model = make_tiny_hf(path, seed=99, **FAMILIES["qwen2"])
-    out["qwen2_b"] = (path, model)
-    return out
-
-
-def _engine(path, **kw):
-    from parallel.generation import EngineConfig, GenerationEngine
-
-    return GenerationEngine.from_hf(path, EngineConfig(**kw))
-
-
-def greedy(max_new: int, **kw) -> SamplingParams:
-    return SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True, **kw)
-
-
-def hf_greedy(model, prompt, max_new):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-@torch.no_grad()
-def assert_logprobs(model, res, start=0, end=None):
-    ids = res.prompt_ids + res.output_ids
-    lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)[len(res.prompt_ids) - 1:-1]
-    ref = lp.gather(1, torch.tensor(res.output_ids)[:, None]).squeeze(1)
-    diff = (ref[start:end] - torch.tensor(res.output_logprobs)[start:end]).abs().max().item()
-    assert diff <= LOGPROB_ATOL, f"logprob mismatch {diff:.2e}"
 
 
 def drain(eng, results=None):

@@ -88,8 +88,7 @@ class DecodeGraphs:
         return logits[:B]
 
     def _forward(self, rows: int, blocks: int) -> torch.Tensor:
-        t = self._steps[: blocks * self.bs]
-        ctx_rows = self.tables[:rows, : blocks][:, t // self.bs] * self.bs + t % self.bs
+        ctx_rows = self.pool.rows_at(self.tables[:rows, :blocks], self._steps[: blocks * self.bs])
         return self.decoder.decode(self.tokens[:rows], self.pos[:rows], None, None, self.pool,
                                    self.write_rows[:rows], ctx_rows)
 

@@ -53,19 +53,25 @@ class PagedKVCache:
 
     # ------------------------------------------------------------ indices
 
-    def token_rows(self, table: Sequence[int], start: int, end: int) -> list[int]:
-        """Pool rows of tokens ``start..end-1`` of a sequence with block table ``table``."""
+    def rows_at(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pool rows of token ``positions`` through block ``tables [J, W]``: ``positions [P]`` (the
+        same for every row) gives ``[J, P]``; ``positions [J, P]`` (each row its own) too."""
         bs = self.block_size
-        return [table[t // bs] * bs + t % bs for t in range(start, end)]
+        if positions.dim() == 1:
+            return tables[:, positions // bs] * bs + positions % bs
+        return tables.gather(1, positions // bs) * bs + positions % bs
 
     def index(self, tables: Sequence[Sequence[int]], starts: Sequence[int], ends: Sequence[int],
               width: int) -> torch.Tensor:
         """``[rows, width]`` pool rows of each row's tokens ``start..end-1`` (then the scratch row)."""
-        out = torch.full((len(tables), width), self.scratch, dtype=torch.long)
-        for i, (table, a, b) in enumerate(zip(tables, starts, ends)):
-            if b > a:
-                out[i, : b - a] = torch.tensor(self.token_rows(table, a, b), dtype=torch.long)
-        return out.to(self.device)
+        W = max(1, max(len(t) for t in tables))
+        table = torch.tensor([list(t) + [0] * (W - len(t)) for t in tables], dtype=torch.long, device=self.device)
+        a = torch.tensor(starts, dtype=torch.long, device=self.device)[:, None]
+        b = torch.tensor(ends, dtype=torch.long, device=self.device)[:, None]
+        pos = a + torch.arange(width, device=self.device)[None, :]
+        inside = pos < b
+        rows = self.rows_at(table, torch.where(inside, pos, a))  # (a is in the table; masked below)
+        return rows.masked_fill_(~inside, self.scratch)
 
     # ------------------------------------------------------------ contents
 

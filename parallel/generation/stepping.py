@@ -18,7 +18,7 @@ whole prompt at once), but their groups share a prompt like text ones.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -58,7 +58,7 @@ class SteppingMixin:
             return 0
         bs = self.pager.bs
         pos = self._pos[:B]
-        rows = (pos % bs == 0).nonzero().flatten().tolist() if B else []
+        rows = (pos % bs == 0).nonzero().flatten().tolist()
         if any(s.cow for s in self._running):
             rows = sorted(set(rows).union(i for i, s in enumerate(self._running) if s.cow))
         for i in rows:
@@ -192,15 +192,14 @@ class SteppingMixin:
         new = [s for s, _ in joined]
         self._running += new
         self._set_slots(row0, new)
-        J, W, bs = len(new), self._tables.shape[1], self.pager.bs
+        J, W = len(new), self._tables.shape[1]
         tables = torch.tensor([s.blocks + [0] * (W - len(s.blocks)) for s in new], dtype=torch.long, device=dev)
         self._tables[row0:row0 + J] = tables
         if self.vision is not None:
             self._delta[row0:row0 + J] = torch.tensor([s.images.delta for s in new], dtype=torch.long)
         n_tok = torch.tensor([s.computed for s in new], dtype=torch.long, device=dev)
         if self.cache is not None:  # the rows' contiguous copies, from the pool (past a row's end: masked later)
-            t = self.decoder._positions[: int(n_tok.max())]
-            rows = tables[:, t // bs] * bs + t % bs
+            rows = self.pool.rows_at(tables, self.decoder._positions[: int(n_tok.max())])
             for li in range(self.spec.num_layers):
                 k, v = self.pool.read(li, rows)
                 self.cache.write_prefix(li, row0, k.transpose(1, 2), v.transpose(1, 2))
@@ -217,13 +216,11 @@ class SteppingMixin:
         if self.cache is not None:  # contiguous: the slots hold the context; the pool gets full blocks below
             logits = self.decoder.decode(self._last[:B], pos, self.cache, rope)
         else:
-            block = self._tables[:B].gather(1, (pos // bs)[:, None]).squeeze(1)
-            pool_rows = block * bs + pos % bs
+            pool_rows = self.pool.rows_at(self._tables[:B], pos[:, None]).squeeze(1)
             if self.graphs is not None:  # replayed from static buffers (parallel.generation.cuda_graphs)
                 logits = self.graphs.run(self._last[:B], pos, self._tables[:B], pool_rows)
             else:  # each row's tokens 0..L-1 through its block table
-                t = self.decoder._positions[: int(pos.max()) + 1]
-                ctx_rows = self._tables[:B][:, t // bs] * bs + t % bs
+                ctx_rows = self.pool.rows_at(self._tables[:B], self.decoder._positions[: int(pos.max()) + 1])
                 logits = self.decoder.decode(self._last[:B], pos, None, rope, self.pool, pool_rows, ctx_rows)
         olds = self._running[:B]
         if self.decoder.routing is not None:  # the fed token sits at len(prompt) + len(out) - 1

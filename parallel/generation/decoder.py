@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from parallel.generation.moe import moe_forward, routing_dtype
 from parallel.generation.paged_cache import PagedKVCache
 from parallel.generation.weights import DecoderWeights, ModelSpec
+from parallel.generation.workspace import Workspace, workspace_for
 from parallel.model_config import rope_inv_freq
 
 __all__ = ["KVCache", "Decoder", "Probe"]
@@ -40,62 +41,101 @@ Probe = Callable[[str, int, torch.Tensor], None]
 
 
 class KVCache:
-    """Preallocated keys (transposed) and values, per layer and slot.
+    """Keys and values per layer and slot, ``k``, ``v`` ``[layers, slots, local kv heads,
+    capacity, head_dim]``, grown along positions as rows get longer (up to ``max_len``).
 
-    ``kt``: ``[layers, slots, local kv heads, head_dim, max_len]`` and
-    ``v``: ``[layers, slots, local kv heads, max_len, head_dim]``.  Keys are kept
-    transposed so that decode's ``q @ K^T`` is a plain batched matmul over a
-    contiguous ``[head_dim, L]`` block per head: on CPU that is about 3x faster
-    than multiplying by a transposed view (measured with a 1-thread bmm).
+    Row ``i`` of the running batch always lives in slot ``i`` (the engine keeps the batch
+    compact by moving the last row into a freed slot), so attention reads plain views
+    ``k[l, :B, :, :L]``: no gather.
 
-    Row ``i`` of the running batch always lives in slot ``i`` (the engine keeps
-    the batch compact by moving the last row into a freed slot), so attention
-    reads plain views ``kt[l, :B, ..., :L]``: no gather, no reallocation.
+    Why the capacity follows the longest running row instead of being ``max_len`` from the
+    start: a decode step writes one ``head_dim`` row per (slot, head) and attention reads
+    each slot's first ``L`` rows, so the step touches memory at a stride of ``capacity *
+    head_dim``.  At ``max_len`` that is a page or more per (slot, head): on CPU (and worse in
+    a VM, where a TLB miss walks two page tables) the scattered touches cost more than the
+    attention's arithmetic.  :meth:`reserve` doubles the capacity when a row needs more (one
+    copy of the live slots, ``log2(max_len)`` times at most) and starts small again once no
+    row is running.
+
+    Why keys are not kept transposed (``[head_dim, L]``, contiguous columns for ``q @ K^T``):
+    the step would then write each new key as ``head_dim`` scattered elements, which cost
+    ~10x the write of whole rows, while the matmul over a transposed view is only 0-40%
+    slower at decode's shapes (1-thread bmm).
     """
+
+    MIN_CAPACITY = 16
 
     def __init__(self, spec: ModelSpec, slots: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        lay, ng, hd = spec.num_layers, spec.local_groups, spec.head_dim
-        self.kt = torch.zeros((lay, slots, ng, hd, max_len), dtype=dtype, device=device)
-        self.v = torch.zeros((lay, slots, ng, max_len, hd), dtype=dtype, device=device)
-        self.slots, self.max_len, self.groups, self.head_dim = slots, max_len, ng, hd
-        # flat per-layer views for decode's index_copy_ writes
-        self.kt_flat = [t.view(-1) for t in self.kt]  # one element per (slot, group, dim, pos)
-        self.v_flat = [t.view(-1, hd) for t in self.v]  # one row per (slot, group, pos)
-        # flat offsets of position 0 of every (slot, group) [and dim]: decode adds the positions
-        bg = torch.arange(slots * ng, device=device)
-        self._v_base = bg * max_len
-        self._k_base = (bg[:, None] * hd + torch.arange(hd, device=device)[None, :]) * max_len
+        self.slots, self.max_len = slots, max_len
+        self.groups, self.head_dim, self.layers = spec.local_groups, spec.head_dim, spec.num_layers
+        self.dtype, self.device = dtype, device
+        self._alloc(min(max_len, self.MIN_CAPACITY))
+
+    def _alloc(self, capacity: int) -> None:
+        shape = (self.layers, self.slots, self.groups, capacity, self.head_dim)
+        # zeros, not empty: masked positions still meet the values in softmax(scores) @ V, and
+        # 0 * NaN from uninitialised memory would be NaN
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.capacity = capacity
+        # flat per-layer views for decode's index_copy_ writes: one row per (slot, group, pos)
+        self.k_flat = [t.view(-1, self.head_dim) for t in self.k]
+        self.v_flat = [t.view(-1, self.head_dim) for t in self.v]
+        # flat row of position 0 of every (slot, group): decode adds the positions
+        self._base = torch.arange(self.slots * self.groups, device=self.device) * capacity
+
+    def reserve(self, length: int, live: int) -> None:
+        """Room for positions ``0..length-1``, keeping slots ``0..live-1``' contents.
+
+        With no live slot a capacity over twice what is needed is also given back."""
+        if length > self.max_len:
+            raise ValueError(f"KV cache: position {length - 1} is past max_len {self.max_len}")
+        if length <= self.capacity and (live or self.capacity <= 2 * max(length, self.MIN_CAPACITY)):
+            return
+        cap = self.MIN_CAPACITY
+        while cap < length:
+            cap *= 2
+        old_k, old_v, old_cap = self.k, self.v, self.capacity
+        self.k = self.v = None  # type: ignore[assignment]  # the old tensors go before the new ones come
+        self._alloc(min(cap, self.max_len))
+        if live:
+            n = min(old_cap, self.capacity)
+            self.k[:, :live, :, :n] = old_k[:, :live, :, :n]
+            self.v[:, :live, :, :n] = old_v[:, :live, :, :n]
 
     def write_prefix(self, layer: int, slot0: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Prefill: ``k``/``v`` ``[J, groups, P, head_dim]`` into slots ``slot0..slot0+J-1``."""
+        """Prefill: ``k``/``v`` ``[J, groups, P, head_dim]`` into slots ``slot0..slot0+J-1``
+        (the slots before ``slot0`` are kept)."""
         J, _, P, _ = k.shape
-        self.kt[layer, slot0:slot0 + J, :, :, :P] = k.transpose(-1, -2)
+        self.reserve(P, slot0)
+        self.k[layer, slot0:slot0 + J, :, :P] = k
         self.v[layer, slot0:slot0 + J, :, :P] = v
 
-    def decode_index(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat write indices for one new position per row (rows = slots ``0..B-1``).
-
-        Returns (key index ``[B*groups*head_dim]``, value index ``[B*groups]``),
-        computed once per step and shared by every layer.
-        """
+    def decode_index(self, pos: torch.Tensor) -> torch.Tensor:
+        """Flat write rows ``[B*groups]`` for one new position per row (rows = slots ``0..B-1``),
+        computed once per step and shared by every layer and by keys and values."""
         n = pos.shape[0] * self.groups
-        pos_bg = pos[:, None].expand(-1, self.groups).reshape(n, 1)
-        return (self._k_base[:n].add(pos_bg).view(-1), self._v_base[:n].add(pos_bg.view(n)))
+        return self._base[:n].add(pos[:, None].expand(-1, self.groups).reshape(n))
 
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Copy slots ``src``' first ``length`` positions into slots ``dst`` (disjoint)."""
-        self.kt[:, dst, :, :, :length] = self.kt[:, src, :, :, :length]
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy slot ``src``'s first ``length`` positions into slot ``dst``."""
-        self.kt[:, dst, :, :, :length] = self.kt[:, src, :, :, :length]
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
     @property
     def nbytes(self) -> int:
-        return self.kt.numel() * self.kt.element_size() + self.v.numel() * self.v.element_size()
+        """Bytes it holds now (it grows up to ``max_len`` positions; see :meth:`max_nbytes`)."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    @property
+    def max_nbytes(self) -> int:
+        return self.nbytes // self.capacity * self.max_len
 
 
 _WIDTHS: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -110,15 +150,21 @@ def _width(n: int, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: torch.Tensor | float) -> torch.Tensor:
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: torch.Tensor | float,
+         ws: Optional[Workspace] = None, name: str = "") -> torch.Tensor:
     """transformers' RMSNorm, bit for bit: normalise in fp32, cast back, scale.
 
     Written out rather than ``F.rms_norm`` (on CPU that composite upcasts and copies, and
     costs about twice as much inside the decode loop); ``sum / n`` is exactly what
     ``mean`` computes, and ``x * x`` exactly ``pow(2)``.  ``eps`` may be a 0-dim fp32
-    tensor (the decoder passes one, for the same reason as :func:`_width`).
+    tensor (the decoder passes one, for the same reason as :func:`_width`).  With a
+    workspace (2-d fp32 ``x`` only) the result is buffer ``name`` (``t * w`` is ``w * t``).
     """
     xf = x if x.dtype == torch.float32 else x.float()
+    if ws is not None and x.dtype == torch.float32 and x.dim() == 2:
+        sq = torch.mul(xf, xf, out=ws.get("rms_sq", *x.shape))
+        var = sq.sum(-1, keepdim=True).div_(_width(x.shape[-1], x.device)).add_(eps).rsqrt_()
+        return torch.mul(xf, var, out=ws.get(name, *x.shape)).mul_(w)
     var = (xf * xf).sum(-1, keepdim=True).div_(_width(x.shape[-1], x.device)).add_(eps).rsqrt_()
     if x.dtype == torch.float32:
         return w * (xf * var)
@@ -133,6 +179,15 @@ def _linear(x: torch.Tensor, w: torch.Tensor, w_t: Optional[torch.Tensor],
     if x.dim() != 2:
         return _linear(x.reshape(-1, x.shape[-1]), w, w_t, b).view(*x.shape[:-1], w_t.shape[1])
     return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
+
+
+def _linear_2d(x: torch.Tensor, w: torch.Tensor, w_t: Optional[torch.Tensor], b: Optional[torch.Tensor],
+               ws: Optional[Workspace], name: str) -> torch.Tensor:
+    """:func:`_linear` of a 2-d ``x``, into workspace buffer ``name`` when there is one."""
+    if ws is None or w_t is None:
+        return _linear(x, w, w_t, b)
+    out = ws.get(name, x.shape[0], w_t.shape[1])
+    return torch.mm(x, w_t, out=out) if b is None else torch.addmm(b, x, w_t, out=out)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -176,6 +231,8 @@ class Decoder:
         # what it keeps); final_norm / logits rows are the rows logits() was given.  None (always,
         # outside the doctor) costs one test per layer.
         self.probe: Optional[Probe] = None
+        # decode's reused activation buffers (CPU; see parallel.generation.workspace)
+        self.ws: Optional[Workspace] = workspace_for(weights.dtype, weights.device)
 
     # ------------------------------------------------------------- tp helpers
 
@@ -366,9 +423,10 @@ class Decoder:
         cos, sin = self.cos_sin[pos if rope_pos is None else rope_pos].view(B, 1, 2, 1, hd).unbind(2)
         if cache is not None:
             L = int(pos.max()) + 1
-            k_idx, v_idx = cache.decode_index(pos)
-            keys_t = cache.kt[:, :B, :, :, :L].flatten(1, 2)  # [layers, B*ng, hd, L], a view
-            values = cache.v[:, :B, :, :L].flatten(1, 2)  # [layers, B*ng, L, hd]
+            cache.reserve(L, B)
+            idx = cache.decode_index(pos)
+            keys = cache.k[:, :B, :, :L].flatten(1, 2)  # [layers, B*ng, L, hd], a view
+            values = cache.v[:, :B, :, :L].flatten(1, 2)
         else:
             L = ctx_rows.shape[1]
         # additive mask for positions beyond each row's own, one row per query: [B*ng, rep, L]
@@ -380,38 +438,45 @@ class Decoder:
         probe = self.probe
         if probe is not None:
             probe("embedding", -1, x)
+        ws = self.ws
         for li, layer in enumerate(self.w.layers):
-            h = _rms(x, layer.ln1, self.eps)
-            qkv = _linear(h, layer.qkv_w, layer.qkv_t, layer.qkv_b).view(B, ng, rep + 2, hd)
+            h = _rms(x, layer.ln1, self.eps, ws, "h")
+            qkv = _linear_2d(h, layer.qkv_w, layer.qkv_t, layer.qkv_b, ws, "qkv").view(B, ng, rep + 2, hd)
             if layer.q_norm is None:
                 qk = qkv[:, :, : rep + 1]
             else:
                 qk = torch.cat((_rms(qkv[:, :, :rep], layer.q_norm, self.eps),
                                 _rms(qkv[:, :, rep:rep + 1], layer.k_norm, self.eps)), 2)
-            # rotate_half(x) * sin == roll(x, half) * [-sin_1, sin_2] (exact: a sign flip)
-            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
+            # rotate_half(x) * sin == roll(x, half) * [-sin_1, sin_2] (exact: a sign flip);
+            # addcmul_ on qk * cos is addcmul(qk * cos, ...) computed in place
+            rolled = qk.roll(half, -1)
+            qk = torch.mul(qk, cos, out=None if ws is None else ws.get("rope", B, ng, rep + 1, hd))
+            qk.addcmul_(rolled, sin)
             if pool is not None:
                 pool.write(li, pool_rows, qk[:, :, rep], qkv[:, :, rep + 1])
             if cache is not None:
-                cache.kt_flat[li].index_copy_(0, k_idx, qk[:, :, rep].reshape(-1))
-                cache.v_flat[li].index_copy_(0, v_idx, qkv[:, :, rep + 1].reshape(B * ng, hd))
-                k_t, vals = keys_t[li], values[li]
+                cache.k_flat[li].index_copy_(0, idx, qk[:, :, rep].reshape(B * ng, hd))
+                cache.v_flat[li].index_copy_(0, idx, qkv[:, :, rep + 1].reshape(B * ng, hd))
+                k_t, vals = keys[li].transpose(1, 2), values[li]
             else:  # the gather path: [B, L, ng, hd] -> [B*ng, hd, L] and [B*ng, L, hd]
                 k_all, v_all = pool.read(li, ctx_rows)
                 k_t = k_all.permute(0, 2, 3, 1).reshape(B * ng, hd, L)
                 vals = v_all.transpose(1, 2).reshape(B * ng, L, hd)
             scores = torch.baddbmm(bias, qk[:, :, :rep].reshape(B * ng, rep, hd), k_t,
                                    alpha=self.scale)  # [B*ng, rep, L]
-            o = torch.bmm(torch.softmax(scores, dim=-1), vals)  # [B*ng, rep, hd]
-            x.add_(self._all_reduce(_linear(o.view(B, ng * rep * hd), layer.proj_w, layer.proj_t)))
+            o = torch.bmm(torch.softmax(scores, dim=-1), vals,
+                          out=None if ws is None else ws.get("attn", B * ng, rep, hd))  # [B*ng, rep, hd]
+            x.add_(self._all_reduce(_linear_2d(o.view(B, ng * rep * hd), layer.proj_w, layer.proj_t, None,
+                                               ws, "proj")))
             if probe is not None:
                 probe("attention", li, x)
             if routing is not None:
                 x.add_(self._moe(layer, li, x, routing))
-            else:
-                gate_up = _linear(_rms(x, layer.ln2, self.eps), layer.fc1_w, layer.fc1_t)
-                act = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
-                x.add_(self._all_reduce(_linear(act, layer.fc2_w, layer.fc2_t)))
+            else:  # silu(gate) * up in place in the fc1 output: fc2 reads it through a strided view
+                gate_up = _linear_2d(_rms(x, layer.ln2, self.eps, ws, "h"), layer.fc1_w, layer.fc1_t, None,
+                                     ws, "fc1")
+                act = F.silu(gate_up[:, :ffn], inplace=True).mul_(gate_up[:, ffn:])
+                x.add_(self._all_reduce(_linear_2d(act, layer.fc2_w, layer.fc2_t, None, ws, "fc2")))
             if probe is not None:
                 probe("mlp", li, x)
         if routing is not None:

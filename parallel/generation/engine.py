@@ -422,7 +422,7 @@ class GenerationEngine(SteppingMixin, RowsMixin, WeightUpdatesMixin):
                 "nonfinite_requests": float(self.nonfinite_requests),
                 "busy_seconds": self.busy_seconds, "running_requests": float(len(self._running)),
                 "queued_requests": float(len(self._waiting)), "weight_version": float(self.version),
-                "kv_cache_bytes": float(self.pool.nbytes + (self.cache.nbytes if self.cache is not None else 0)),
+                "kv_cache_bytes": float(self.pool.nbytes + (self.cache.max_nbytes if self.cache is not None else 0)),
                 "kv_blocks": float(self.pager.alloc.num_blocks), "kv_blocks_used": float(self.pager.alloc.used_blocks),
                 "prefill_tokens": float(self.prefill_tokens), "prefix_shared_tokens": float(self.prefix_shared_tokens),
                 "prefix_cache_hits": float(self.pager.alloc.hits), "preempted_requests": float(self.preempted),

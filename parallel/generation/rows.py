@@ -42,11 +42,9 @@ class RowsMixin:
                 grown = torch.full((self._stops.shape[0], width), -1, dtype=torch.long, device=dev)
                 grown[:, : self._stops.shape[1]] = self._stops
             self._stops = grown
-        table = torch.full((J, self._stops.shape[1]), -1, dtype=torch.long)
-        for i, s in enumerate(joined):
-            if s.stop_ids:
-                table[i, : len(s.stop_ids)] = torch.tensor(sorted(s.stop_ids), dtype=torch.long)
-        self._stops[rows] = table.to(dev)
+        width = self._stops.shape[1]  # one tensor from one nested list: no op per row
+        table = [sorted(s.stop_ids) + [-1] * (width - len(s.stop_ids)) for s in joined]
+        self._stops[rows] = torch.tensor(table, dtype=torch.long).to(dev)
 
     def _slot_tensors(self) -> tuple[torch.Tensor, ...]:
         state = (self._last, self._pos, self._temp, self._top_k, self._top_p, self._min_p, self._lp_sampling,

@@ -198,14 +198,25 @@ class SteppingMixin:
         if self.vision is not None:
             self._delta[row0:row0 + J] = torch.tensor([s.images.delta for s in new], dtype=torch.long)
         n_tok = torch.tensor([s.computed for s in new], dtype=torch.long, device=dev)
-        if self.cache is not None:  # the rows' contiguous copies, from the pool (past a row's end: masked later)
-            rows = self.pool.rows_at(tables, self.decoder._positions[: int(n_tok.max())])
-            for li in range(self.spec.num_layers):
-                k, v = self.pool.read(li, rows)
-                self.cache.write_prefix(li, row0, k.transpose(1, 2), v.transpose(1, 2))
-        self._pos[row0:row0 + J] = n_tok
         src = torch.tensor([j for _, j in joined], device=logits.device)
+        if self.cache is not None:
+            self._fill_slots(row0, seqs, src, int(n_tok.max()))
+        self._pos[row0:row0 + J] = n_tok
         self._accept(row0, logits.index_select(0, src), finished, decode=False)
+
+    def _fill_slots(self, row0: int, seqs: list[Seq], src: torch.Tensor, length: int) -> None:
+        """The joined rows' contiguous copies (slots ``row0..``): each prefill job's context
+        ``0..length-1`` read from the pool once, then copied to every row that joined from it
+        (``src``: the job of each), so a group of n samples reads its prompt once, not n times.
+        Past a row's own end the copy holds padding that decode masks."""
+        W = max(len(s.blocks) for s in seqs)
+        tables = torch.tensor([s.blocks + [0] * (W - len(s.blocks)) for s in seqs], dtype=torch.long,
+                              device=self._pos.device)
+        rows = self.pool.rows_at(tables, self.decoder._positions[:length])
+        for li in range(self.spec.num_layers):
+            k, v = self.pool.read(li, rows)  # [jobs, length, ng, hd]
+            k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+            self.cache.write_prefix(li, row0, k.index_select(0, src), v.index_select(0, src))
 
     # ------------------------------------------------------------ decode
 
@@ -242,5 +253,5 @@ class SteppingMixin:
         block ``block`` (every layer): contiguous decode writes the pool only per full block."""
         bs, c = self.pager.bs, self.cache
         dst = slice(block * bs, (block + 1) * bs)
-        self.pool.k[:, dst] = c.kt[:, row, :, :, start:start + bs].permute(0, 3, 1, 2)
+        self.pool.k[:, dst] = c.k[:, row, :, start:start + bs].transpose(1, 2)
         self.pool.v[:, dst] = c.v[:, row, :, start:start + bs].transpose(1, 2)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parallel.generation.kv_slots import KVCache
 from parallel.generation.moe import moe_forward, routing_dtype
 from parallel.generation.paged_cache import PagedKVCache
 from parallel.generation.weights import DecoderWeights, ModelSpec
@@ -38,104 +39,6 @@ __all__ = ["KVCache", "Decoder", "Probe"]
 
 #: ``probe(op, layer, x)`` at the op boundaries of a forward (see :attr:`Decoder.probe`)
 Probe = Callable[[str, int, torch.Tensor], None]
-
-
-class KVCache:
-    """Keys and values per layer and slot, ``k``, ``v`` ``[layers, slots, local kv heads,
-    capacity, head_dim]``, grown along positions as rows get longer (up to ``max_len``).
-
-    Row ``i`` of the running batch always lives in slot ``i`` (the engine keeps the batch
-    compact by moving the last row into a freed slot), so attention reads plain views
-    ``k[l, :B, :, :L]``: no gather.
-
-    Why the capacity follows the longest running row instead of being ``max_len`` from the
-    start: a decode step writes one ``head_dim`` row per (slot, head) and attention reads
-    each slot's first ``L`` rows, so the step touches memory at a stride of ``capacity *
-    head_dim``.  At ``max_len`` that is a page or more per (slot, head): on CPU (and worse in
-    a VM, where a TLB miss walks two page tables) the scattered touches cost more than the
-    attention's arithmetic.  :meth:`reserve` doubles the capacity when a row needs more (one
-    copy of the live slots, ``log2(max_len)`` times at most) and starts small again once no
-    row is running.
-
-    Why keys are not kept transposed (``[head_dim, L]``, contiguous columns for ``q @ K^T``):
-    the step would then write each new key as ``head_dim`` scattered elements, which cost
-    ~10x the write of whole rows, while the matmul over a transposed view is only 0-40%
-    slower at decode's shapes (1-thread bmm).
-    """
-
-    MIN_CAPACITY = 16
-
-    def __init__(self, spec: ModelSpec, slots: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.slots, self.max_len = slots, max_len
-        self.groups, self.head_dim, self.layers = spec.local_groups, spec.head_dim, spec.num_layers
-        self.dtype, self.device = dtype, device
-        self._alloc(min(max_len, self.MIN_CAPACITY))
-
-    def _alloc(self, capacity: int) -> None:
-        shape = (self.layers, self.slots, self.groups, capacity, self.head_dim)
-        # zeros, not empty: masked positions still meet the values in softmax(scores) @ V, and
-        # 0 * NaN from uninitialised memory would be NaN
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.capacity = capacity
-        # flat per-layer views for decode's index_copy_ writes: one row per (slot, group, pos)
-        self.k_flat = [t.view(-1, self.head_dim) for t in self.k]
-        self.v_flat = [t.view(-1, self.head_dim) for t in self.v]
-        # flat row of position 0 of every (slot, group): decode adds the positions
-        self._base = torch.arange(self.slots * self.groups, device=self.device) * capacity
-
-    def reserve(self, length: int, live: int) -> None:
-        """Room for positions ``0..length-1``, keeping slots ``0..live-1``' contents.
-
-        With no live slot a capacity over twice what is needed is also given back."""
-        if length > self.max_len:
-            raise ValueError(f"KV cache: position {length - 1} is past max_len {self.max_len}")
-        if length <= self.capacity and (live or self.capacity <= 2 * max(length, self.MIN_CAPACITY)):
-            return
-        cap = self.MIN_CAPACITY
-        while cap < length:
-            cap *= 2
-        old_k, old_v, old_cap = self.k, self.v, self.capacity
-        self.k = self.v = None  # type: ignore[assignment]  # the old tensors go before the new ones come
-        self._alloc(min(cap, self.max_len))
-        if live:
-            n = min(old_cap, self.capacity)
-            self.k[:, :live, :, :n] = old_k[:, :live, :, :n]
-            self.v[:, :live, :, :n] = old_v[:, :live, :, :n]
-
-    def write_prefix(self, layer: int, slot0: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Prefill: ``k``/``v`` ``[J, groups, P, head_dim]`` into slots ``slot0..slot0+J-1``
-        (the slots before ``slot0`` are kept)."""
-        J, _, P, _ = k.shape
-        self.reserve(P, slot0)
-        self.k[layer, slot0:slot0 + J, :, :P] = k
-        self.v[layer, slot0:slot0 + J, :, :P] = v
-
-    def decode_index(self, pos: torch.Tensor) -> torch.Tensor:
-        """Flat write rows ``[B*groups]`` for one new position per row (rows = slots ``0..B-1``),
-        computed once per step and shared by every layer and by keys and values."""
-        n = pos.shape[0] * self.groups
-        return self._base[:n].add(pos[:, None].expand(-1, self.groups).reshape(n))
-
-    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
-        """Copy slots ``src``' first ``length`` positions into slots ``dst`` (disjoint)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy slot ``src``'s first ``length`` positions into slot ``dst``."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes it holds now (it grows up to ``max_len`` positions; see :meth:`max_nbytes`)."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
-
-    @property
-    def max_nbytes(self) -> int:
-        return self.nbytes // self.capacity * self.max_len
 
 
 _WIDTHS: dict[tuple[int, torch.device], torch.Tensor] = {}

@@ -51,8 +51,9 @@ setup(
         "agents": ["openai>=2"],  # the official client, for agents behind the OpenAI-compatible proxy
         "wandb": ["wandb>=0.17"],  # wandb.mode=online|offline: stats also go to Weights & Biases
         "test": ["pytest>=8", "pytest-timeout>=2.2", "pytest-xdist>=3.5", "hypothesis>=6", "ray>=2.60,<3", "openai>=2", "wandb>=0.17",
-                 "datasets>=3", "peft>=0.17"],  # datasets: tests write saved `datasets` directories; peft:
-        # LoRA is tested against PEFT's (realflow reads and writes its adapter format without it)
+                 "datasets>=3", "peft>=0.17", "triton>=3.4"],  # datasets: tests write saved `datasets`
+        # directories; peft: LoRA is tested against PEFT's (realflow reads and writes its adapter format
+        # without it); triton: the GPU's paged attention kernel, run by its interpreter on CPU
     },
     entry_points={
         "console_scripts": [

@@ -67,3 +67,34 @@ def part_rl(a: Any, fileroot: str, dev: Any) -> None:
     print(f"transformers generate: {1 / hf_best:10.0f} tokens/s ({tokens_h} tokens a run)")
     print(f"realflow engine:       {1 / eng_best:10.0f} tokens/s ({tokens_e} tokens a run)")
     print(f"ratio engine / transformers: {hf_best / eng_best:.2f}x (goal >= 3x on the default RL workload)")
+    forward, total = _forward_share(engine, run_engine, a.repeats)
+    print(f"engine run {total * 1e3:.1f} ms, of which the model's forward (prefill + decode ops) {forward * 1e3:.1f} ms: "
+          f"with no scheduling overhead at all the ratio would be {hf_best * tokens_e / forward:.2f}x")
+
+
+def _forward_share(engine: Any, run: Any, repeats: int) -> tuple[float, float]:
+    """(seconds in the decoder's prefill and decode calls, seconds of the whole run), best run of
+    ``repeats``: how much of the engine's time is the model's torch ops, how much the scheduling
+    around them (sampling, appending tokens, blocks, rows joining and leaving)."""
+    dec = engine.decoder
+    spent = [0.0]
+
+    def timed(fn: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return call
+
+    dec.decode, dec.extend = timed(dec.decode), timed(dec.extend)
+    try:
+        best = (float("inf"), float("inf"))
+        for _ in range(repeats):
+            spent[0] = 0.0
+            total = run()[0]
+            best = min(best, (spent[0], total), key=lambda x: x[1])
+        return best
+    finally:
+        del dec.decode, dec.extend

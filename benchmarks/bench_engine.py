@@ -22,7 +22,8 @@ One command (``python benchmarks/bench_engine.py``), four parts (``--parts``):
 4. **roofline** (CUDA only) -- Qwen3-0.6B's shape, 256 sequences, bf16: the mean decode step
    against the HBM roofline (weights + the KV the step reads, over ``--bandwidth-gbs``).  A
    decode step of a small model is memory-bound; the roofline says how far the engine is from
-   the fastest step the memory allows.
+   the fastest step the memory allows.  Measured twice: attending through the paged Triton
+   kernel, and (the baseline, same run) gathering each row's blocks first.
 
 Config fields / stats keys being added with the paged engine (``block_size``,
 ``prefix_sharing``, ``enforce_eager``; ``prefill_tokens``, ``prefix_shared_tokens``) are used
@@ -225,13 +226,40 @@ def part_groups(a: argparse.Namespace, path: str, hf_config: Any, dev: torch.dev
 
 def part_roofline(a: argparse.Namespace, path: str, model: torch.nn.Module, dev: torch.device,
                   dtype: torch.dtype) -> None:
+    """The decode step against the HBM roofline, attending through the paged kernel and, as the
+    baseline measured in the same run, through the gather (``decode_attention="gather"``)."""
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    w_bytes = sum(t.numel() for t in model.parameters()) * elem  # tied embedding counted once: the LM head
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_tok = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem  # K and V, every layer
+    which = "--bandwidth-gbs default: an H200's HBM3e" if a.bandwidth_default else "given"
+    print(f"\n== roofline: {torch.cuda.get_device_name(dev)}, {a.roofline_seqs} sequences, prompt "
+          f"{a.roofline_prompt}, {a.roofline_steps} timed decode steps after prefill, "
+          f"{str(dtype).replace('torch.', '')}; bandwidth {a.bandwidth_gbs:.0f} GB/s ({which})")
+    steps = {}
+    for mode in ("paged", "gather") if has_field("decode_attention") else ("paged",):
+        step_s, ctx, kernel = _roofline_step(a, path, cfg, dev, dtype, mode)
+        kv_bytes = a.roofline_seqs * ctx * per_tok
+        roof = (w_bytes + kv_bytes) / (a.bandwidth_gbs * 1e9)
+        steps[mode] = step_s
+        print(f"{mode:7s} (kernel {kernel}): bytes per step weights {w_bytes / 1e9:.3f} GB + KV {kv_bytes / 1e9:.3f} GB "
+              f"(mean context {ctx:.1f}); roofline {roof * 1e3:.3f} ms, measured {step_s * 1e3:.3f} ms "
+              f"({a.roofline_seqs / step_s:.0f} tokens/s): {100 * roof / step_s:.1f}% of the roofline (goal >= 50%)")
+    if "gather" in steps:
+        print(f"paged kernel vs gather: {steps['gather'] / steps['paged']:.2f}x faster decode step")
+
+
+def _roofline_step(a: argparse.Namespace, path: str, cfg: Any, dev: torch.device, dtype: torch.dtype,
+                   mode: str) -> tuple[float, float, str]:
+    """(mean decode step in s, mean context of the timed steps, whether the kernel ran) at ``decode_attention=mode``."""
     from realflow.api.generation import SamplingParams
 
-    cfg = model.config
     B, p, steps, warm = a.roofline_seqs, a.roofline_prompt, a.roofline_steps, 8
     rng = random.Random(a.seed + 2)
+    kw = {"decode_attention": mode} if has_field("decode_attention") else {}
     engine = load_engine(path, dev, dtype, max_running_requests=B, max_model_len=p + warm + steps + 64,
-                         max_prefill_tokens=B * p, enforce_eager=a.eager)
+                         max_prefill_tokens=B * p, enforce_eager=a.eager, **kw)
     params = SamplingParams(max_new_tokens=warm + steps + 32, temperature=0.0, ignore_eos=True)
     for i in range(B):
         engine.add_request(f"r{i}", [rng.randrange(4, cfg.vocab_size) for _ in range(p)], params)
@@ -246,22 +274,12 @@ def part_roofline(a: argparse.Namespace, path: str, model: torch.nn.Module, dev:
     for _ in range(steps):
         engine.step()
     step_s = (now(dev) - t0) / steps
+    kernel = {1.0: "yes", 0.0: "no"}.get(engine.stats().get("paged_attention_kernel", -1.0), "n/a")
     engine.pause("abort")
-    elem = torch.empty((), dtype=dtype).element_size()
-    w_bytes = sum(t.numel() for t in model.parameters()) * elem  # tied embedding counted once: the LM head
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_tok = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem  # K and V, every layer
-    ctx = ctx0 + (steps + 1) / 2  # mean context read by the timed steps (each step reads its new token too)
-    kv_bytes = B * ctx * per_tok
-    roof = (w_bytes + kv_bytes) / (a.bandwidth_gbs * 1e9)
-    print(f"\n== roofline: {torch.cuda.get_device_name(dev)}, {B} sequences, prompt {p}, {steps} timed decode "
-          f"steps after prefill + {warm} warm-up, {str(dtype).replace('torch.', '')}")
-    which = "--bandwidth-gbs default: an H200's HBM3e" if a.bandwidth_default else "given"
-    print(f"bandwidth {a.bandwidth_gbs:.0f} GB/s ({which})")
-    print(f"bytes per step: weights {w_bytes / 1e9:.3f} GB + KV {kv_bytes / 1e9:.3f} GB (mean context {ctx:.1f})")
-    print(f"roofline step {roof * 1e3:.3f} ms, measured mean step {step_s * 1e3:.3f} ms "
-          f"({B / step_s:.0f} tokens/s)")
-    print(f"achieved {100 * roof / step_s:.1f}% of the HBM roofline (goal >= 50%)")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return step_s, ctx0 + (steps + 1) / 2, kernel  # each timed step reads its new token too
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
 
-__all__ = ["CaseContext", "CaseResult", "run_cases", "make_tiny_hf"]
+__all__ = ["CaseContext", "CaseResult", "run_cases", "make_tiny_hf", "paged_attention_reference"]
 
 
 @dataclass
@@ -252,6 +252,24 @@ def make_tiny_hf(path: str, family: str = "qwen2", seed: int = 0,
     else:
         model.save_pretrained(path)
     return config, model
+
+
+def paged_attention_reference(q: Any, k_pool: Any, v_pool: Any, tables: Any, lens: Any, scale: float,
+                              block_size: int) -> Any:
+    """Decode attention over each row's context gathered through its block table, one row and
+    kv group at a time (what :mod:`parallel.generation.paged_attention`'s kernel must equal):
+    ``q [B, groups, rep, hd]``, pools ``[rows, groups, hd]``, ``tables [B, W]``, ``lens [B]``."""
+    import torch
+
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        t = torch.arange(n)
+        rows = tables[b].cpu()[t // block_size] * block_size + t % block_size
+        k, v = k_pool[rows], v_pool[rows]  # [n, groups, hd]
+        for g in range(q.shape[1]):
+            out[b, g] = torch.softmax(q[b, g] @ k[:, g].T * scale, -1) @ v[:, g]
+    return out
 
 
 def _tail(path: str, n: int = 3000) -> str:

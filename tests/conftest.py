@@ -8,8 +8,15 @@ import time
 
 import pytest
 import requests
+import torch
 
 from realflow.base.network import find_free_ports
+
+# Without a GPU, Triton kernels (parallel.generation.paged_attention) run through Triton's
+# interpreter, so CI checks the same kernel programs a GPU compiles. Triton reads the flag
+# when it is imported: it must be set before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ETCD_INSTALL_HINT = "apt-get update && apt-get install -y etcd-server"
 

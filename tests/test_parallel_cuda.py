@@ -98,13 +98,16 @@ def case_generation(ctx):
     out = {}
     from_hf = GenerationEngine.from_hf(path, EngineConfig(max_running_requests=4), tokenizer=None)
     eager = GenerationEngine.from_hf(path, EngineConfig(max_running_requests=4, enforce_eager=True), tokenizer=None)
+    gather = GenerationEngine.from_hf(path, EngineConfig(max_running_requests=4, decode_attention="gather"),
+                                      tokenizer=None)
     meg = MegatronEngine(cfg, groups, path, optimizer_config=None, seed=1)
     shared = GenerationEngine.from_megatron(meg, EngineConfig(max_running_requests=4))
-    for name, eng in (("from_hf", from_hf), ("from_hf_eager", eager), ("from_megatron", shared)):
+    for name, eng in (("from_hf", from_hf), ("from_hf_eager", eager), ("from_hf_gather", gather),
+                      ("from_megatron", shared)):
         res = eng.generate(prompts, greedy)
         out[name] = {"device": str(eng.weights.device), "tokens": [r.output_ids for r in res],
                      "logprobs": [list(map(float, r.output_logprobs)) for r in res],
-                     "graphs": eng.stats()["cuda_graphs"]}
+                     "graphs": eng.stats()["cuda_graphs"], "kernel": eng.stats()["paged_attention_kernel"]}
     # a sampled group (shared prompt, copy-on-write) replayed from CUDA graphs equals the eager step
     group = SamplingParams(max_new_tokens=12, n=4, seed=5, ignore_eos=True)
     out["group"] = {name: [r.output_ids for r in eng.generate([prompts[2]], group)]
@@ -182,10 +185,11 @@ def test_generation_on_device_equals_transformers_greedy(cases):
     path = str(out / "qwen2_gen")
     make_tiny_hf(path, "qwen2", seed=7, tie_word_embeddings=False)
     hf = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    if ON_GPU:  # the paged decode runs from CUDA graphs unless enforce_eager
+    if ON_GPU:  # the paged decode runs from CUDA graphs unless enforce_eager, through the Triton kernel
         assert data["from_hf"]["graphs"] > 0 and data["from_hf_eager"]["graphs"] == 0
+        assert data["from_hf"]["kernel"] == 1.0 and data["from_hf_gather"]["kernel"] == 0.0
     assert data["group"]["graphs"] == data["group"]["eager"]
-    for name in ("from_hf", "from_hf_eager", "from_megatron"):
+    for name in ("from_hf", "from_hf_eager", "from_hf_gather", "from_megatron"):
         assert data[name]["device"].startswith(DEVICE), data[name]
         for p, toks, lps in zip(data["prompts"], data[name]["tokens"], data[name]["logprobs"]):
             seq = list(p)
@@ -195,6 +199,26 @@ def test_generation_on_device_equals_transformers_greedy(cases):
                     assert tok == int(logits.argmax()), (name, p, toks)
                     assert abs(lp - float(torch.log_softmax(logits, -1)[tok])) < LOGIT_ATOL
                     seq.append(tok)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the compiled Triton kernel needs a GPU (CPU: test_paged_attention_kernel)")
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_paged_attention_kernel_compiled(dtype, atol):
+    """The compiled kernel against attention over the gathered context (in fp32), GQA 16 q / 8 kv heads."""
+    from parallel.generation.paged_attention import paged_decode_attention
+    from parallel.testing import paged_attention_reference as reference
+
+    g = torch.Generator().manual_seed(3)
+    B, ng, rep, hd, bs, blocks, width = 6, 8, 2, 128, 16, 300, 40
+    k = torch.randn(blocks * bs + 1, ng, hd, generator=g)
+    v = torch.randn(blocks * bs + 1, ng, hd, generator=g)
+    q = torch.randn(B, ng, rep, hd, generator=g)
+    tables = torch.stack([torch.randperm(blocks, generator=g)[:width] for _ in range(B)])
+    lens = torch.tensor([1, 16, 17, 100, 511, 640])
+    got = paged_decode_attention(q.to("cuda", dtype), k.to("cuda", dtype), v.to("cuda", dtype), tables.cuda(),
+                                 lens.cuda(), hd ** -0.5, bs)
+    want = reference(q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), tables, lens, hd ** -0.5, bs)
+    assert (got.float().cpu() - want).abs().max().item() <= atol
 
 
 def test_bf16_training_follows_fp32(cases):

@@ -51,7 +51,6 @@ class DecodeGraphs:
         self.pos = torch.zeros(max_rows, dtype=torch.long, device=dev)
         self.tables = torch.zeros((max_rows, table_width), dtype=torch.long, device=dev)
         self.write_rows = torch.full((max_rows,), pool.scratch, dtype=torch.long, device=dev)
-        self._steps = torch.arange(table_width * self.bs, device=dev)
         self._graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self._weights_id = id(decoder.w)
         self._weight_ptrs = self._ptrs()
@@ -88,9 +87,8 @@ class DecodeGraphs:
         return logits[:B]
 
     def _forward(self, rows: int, blocks: int) -> torch.Tensor:
-        ctx_rows = self.pool.rows_at(self.tables[:rows, :blocks], self._steps[: blocks * self.bs])
         return self.decoder.decode(self.tokens[:rows], self.pos[:rows], None, None, self.pool,
-                                   self.write_rows[:rows], ctx_rows)
+                                   self.write_rows[:rows], self.tables[:rows, :blocks])
 
     def _capture(self, rows: int, blocks: int) -> tuple[Any, torch.Tensor]:
         side = torch.cuda.Stream()

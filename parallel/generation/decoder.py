@@ -134,6 +134,9 @@ class Decoder:
         # what it keeps); final_norm / logits rows are the rows logits() was given.  None (always,
         # outside the doctor) costs one test per layer.
         self.probe: Optional[Probe] = None
+        # the paged decode step's attention kernel (parallel.generation.paged_attention.kernel_for;
+        # the engine sets it): None gathers each row's context instead
+        self.paged_kernel: Optional[Callable[..., torch.Tensor]] = None
         # decode's reused activation buffers (CPU; see parallel.generation.workspace)
         self.ws: Optional[Workspace] = workspace_for(weights.dtype, weights.device)
 
@@ -298,7 +301,7 @@ class Decoder:
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor, cache: Optional[KVCache],
                rope_pos: Optional[torch.Tensor] = None, pool: Optional[PagedKVCache] = None,
-               pool_rows: Optional[torch.Tensor] = None, ctx_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+               pool_rows: Optional[torch.Tensor] = None, tables: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One token per row (rows ``0..B-1`` = slots) at positions ``pos``; logits [B, V].
 
         ``rope_pos`` (vision-language models): the rotary positions when they are not the
@@ -309,8 +312,10 @@ class Decoder:
         * ``cache`` (contiguous slots): the new k/v go into slot ``i`` of row ``i`` and attention
           reads the slots; with ``pool`` the new k/v are also written to pool rows ``pool_rows [B]``
           (the slots are then the pool's per-row copy);
-        * ``cache=None`` (paged): the new k/v go to ``pool_rows`` and each row attends over pool
-          rows ``ctx_rows [B, L]`` (its tokens ``0..L-1``, the scratch row after ``pos``).
+        * ``cache=None`` (paged): the new k/v go to ``pool_rows`` and each row attends over its
+          tokens ``0..pos`` through its block table, ``tables [B, W]`` (``W`` blocks cover every
+          row): with :attr:`paged_kernel` (:mod:`parallel.generation.paged_attention`) in place,
+          else by gathering pool rows for positions ``0..W*bs-1`` (past ``pos``: masked).
 
         Written for few ops per layer: RoPE is applied to q and k heads at once
         (they are adjacent in the fused qkv layout), the new k/v go into the
@@ -331,7 +336,12 @@ class Decoder:
             keys = cache.k[:, :B, :, :L].flatten(1, 2)  # [layers, B*ng, L, hd], a view
             values = cache.v[:, :B, :, :L].flatten(1, 2)
         else:
-            L = ctx_rows.shape[1]
+            kernel = self.paged_kernel
+            L = tables.shape[1] * pool.block_size
+            if kernel is None:
+                ctx_rows = pool.rows_at(tables, self._positions[:L])
+            else:
+                lens = pos + 1
         # additive mask for positions beyond each row's own, one row per query: [B*ng, rep, L]
         bias = torch.where(self._positions[:L] > pos[:, None], self._neg_inf, self._zero).to(x.dtype)
         bias = bias[:, None, None, :].expand(B, ng, rep, L).reshape(B * ng, rep, L)
@@ -361,14 +371,17 @@ class Decoder:
                 cache.k_flat[li].index_copy_(0, idx, qk[:, :, rep].reshape(B * ng, hd))
                 cache.v_flat[li].index_copy_(0, idx, qkv[:, :, rep + 1].reshape(B * ng, hd))
                 k_t, vals = keys[li].transpose(1, 2), values[li]
-            else:  # the gather path: [B, L, ng, hd] -> [B*ng, hd, L] and [B*ng, L, hd]
+            elif kernel is None:  # the gather path: [B, L, ng, hd] -> [B*ng, hd, L] and [B*ng, L, hd]
                 k_all, v_all = pool.read(li, ctx_rows)
                 k_t = k_all.permute(0, 2, 3, 1).reshape(B * ng, hd, L)
                 vals = v_all.transpose(1, 2).reshape(B * ng, L, hd)
-            scores = torch.baddbmm(bias, qk[:, :, :rep].reshape(B * ng, rep, hd), k_t,
-                                   alpha=self.scale)  # [B*ng, rep, L]
-            o = torch.bmm(torch.softmax(scores, dim=-1), vals,
-                          out=None if ws is None else ws.get("attn", B * ng, rep, hd))  # [B*ng, rep, hd]
+            if cache is None and kernel is not None:  # in place over the block tables
+                o = kernel(qk[:, :, :rep], pool.k[li], pool.v[li], tables, lens, self.scale, pool.block_size)
+            else:
+                scores = torch.baddbmm(bias, qk[:, :, :rep].reshape(B * ng, rep, hd), k_t,
+                                       alpha=self.scale)  # [B*ng, rep, L]
+                o = torch.bmm(torch.softmax(scores, dim=-1), vals,
+                              out=None if ws is None else ws.get("attn", B * ng, rep, hd))  # [B*ng, rep, hd]
             x.add_(self._all_reduce(_linear_2d(o.view(B, ng * rep * hd), layer.proj_w, layer.proj_t, None,
                                                ws, "proj")))
             if probe is not None:

@@ -37,6 +37,7 @@ from parallel.generation.adapters import AdapterMerger
 from parallel.generation.blocks import BlockAllocator
 from parallel.generation.cuda_graphs import DecodeGraphs, decode_graphs_for
 from parallel.generation.decoder import Decoder, KVCache
+from parallel.generation.paged_attention import kernel_for
 from parallel.generation.paged_cache import PagedKVCache
 from parallel.generation.pager import Pager
 from parallel.generation.weight_updates import WeightUpdatesMixin
@@ -56,7 +57,7 @@ from realflow.base.devices import worker_device
 __all__ = ["EngineConfig", "GenerationEngine"]
 
 
-DECODE_ATTENTION = ("auto", "contiguous", "paged")
+DECODE_ATTENTION = ("auto", "contiguous", "paged", "gather")
 
 
 @dataclass
@@ -77,9 +78,10 @@ class EngineConfig:
     # a request's n samples prefill their prompt once and share its blocks; prompts that start
     # with blocks cached under the current weights (agent turns, retracted requests) reuse them
     prefix_sharing: bool = True
-    # where decode reads keys and values: "paged" gathers each row's blocks (the GPU's path),
-    # "contiguous" keeps a per-row copy of the blocks (the CPU's: ~8x cheaper attention there);
-    # "auto": contiguous on a CPU, paged on a GPU
+    # where decode reads keys and values: "paged" attends over each row's blocks in place (the
+    # GPU's path: a Triton kernel, parallel.generation.paged_attention; where it cannot run, and
+    # with "gather", each row's blocks are gathered first), "contiguous" keeps a per-row copy of
+    # the blocks (the CPU's: ~8x cheaper attention there); "auto": contiguous on a CPU, paged on a GPU
     decode_attention: str = "auto"
     enforce_eager: bool = False  # GPU: no CUDA graphs for decode (they are captured per batch size)
     kv_blocks: Optional[int] = None  # the pool's size in blocks (default: from gpu_memory_utilization)
@@ -141,6 +143,8 @@ class GenerationEngine(SteppingMixin, RowsMixin, WeightUpdatesMixin):
         # contiguous decode: each running row's keys and values also in slot i (the pool's per-row copy)
         self.cache: Optional[KVCache] = KVCache(self.spec, slots, self._max_context, self.weights.dtype, dev) \
             if contiguous else None
+        if not contiguous and cfg.decode_attention != "gather":
+            self.decoder.paged_kernel = kernel_for(dev, cfg.block_size)
         self.tokenizer = tokenizer
         self.version = int(version)
         self._rng = random.Random(self.config.seed)
@@ -159,6 +163,10 @@ class GenerationEngine(SteppingMixin, RowsMixin, WeightUpdatesMixin):
         self._min_p = torch.zeros(slots, dtype=torch.float32, device=dev)
         self._lp_sampling = torch.zeros(slots, dtype=torch.bool, device=dev)
         self._budget = torch.zeros(slots, dtype=torch.long, device=dev)  # tokens it may still add
+        # sampling streams: the seed's 32-bit words and the next draw (= tokens sampled so far)
+        self._seed_lo = torch.zeros(slots, dtype=torch.long, device=dev)
+        self._seed_hi = torch.zeros(slots, dtype=torch.long, device=dev)
+        self._draws = torch.zeros(slots, dtype=torch.long, device=dev)
         # block tables of the running rows (block 0 past a row's own blocks: masked reads)
         self._tables = torch.zeros((slots, -(-self._max_context // cfg.block_size)), dtype=torch.long, device=dev)
         self._stops = torch.full((slots, 4), -1, dtype=torch.long, device=dev)  # stop ids, -1 pad
@@ -292,8 +300,9 @@ class GenerationEngine(SteppingMixin, RowsMixin, WeightUpdatesMixin):
         base = params.seed if params.seed is not None else self._rng.randrange(2 ** 62)
         moe = self.spec.arch.moe
         record = moe is not None and params.return_routed_experts is not False
+        stop_ids = frozenset(stop_ids)
         for i, r in enumerate(rids):
-            seq = Seq(r, rid, i, prompt, params, base + i, frozenset(stop_ids))
+            seq = Seq(r, rid, i, prompt, params, base + i, stop_ids)
             if self.vision is not None:
                 seq.images = seq_images
             if record:
@@ -426,7 +435,8 @@ class GenerationEngine(SteppingMixin, RowsMixin, WeightUpdatesMixin):
                 "kv_blocks": float(self.pager.alloc.num_blocks), "kv_blocks_used": float(self.pager.alloc.used_blocks),
                 "prefill_tokens": float(self.prefill_tokens), "prefix_shared_tokens": float(self.prefix_shared_tokens),
                 "prefix_cache_hits": float(self.pager.alloc.hits), "preempted_requests": float(self.preempted),
-                "cuda_graphs": float(self.graphs.captured if self.graphs is not None else 0)}
+                "cuda_graphs": float(self.graphs.captured if self.graphs is not None else 0),
+                "paged_attention_kernel": float(self.decoder.paged_kernel is not None)}
 
 
 def _try_tokenizer(path: str) -> Any:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from parallel.generation.sampler import SampleBatch, sample
+from parallel.generation.sampler import SampleBatch, counter_uniform, sample, split_seed
 from parallel.generation.sequence import RowFlags, Seq
 from realflow.api.generation import GenerationResult
 
@@ -33,6 +33,10 @@ class RowsMixin:
         self._top_p[rows] = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
         self._min_p[rows] = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
         self._lp_sampling[rows] = torch.tensor([p.logprob_mode != "raw" for p in ps])
+        words = [split_seed(s.seed) for s in joined]
+        self._seed_lo[rows] = torch.tensor([w[0] for w in words], dtype=torch.long)
+        self._seed_hi[rows] = torch.tensor([w[1] for w in words], dtype=torch.long)
+        self._draws[rows] = torch.tensor([len(s.out) for s in joined], dtype=torch.long)
         self._budget[rows] = torch.tensor(
             [min(p.max_new_tokens, self._max_context - len(s.prompt)) - len(s.out)
              for s, p in zip(joined, ps)], dtype=torch.long)
@@ -48,7 +52,7 @@ class RowsMixin:
 
     def _slot_tensors(self) -> tuple[torch.Tensor, ...]:
         state = (self._last, self._pos, self._temp, self._top_k, self._top_p, self._min_p, self._lp_sampling,
-                 self._budget, self._stops, self._tables)
+                 self._budget, self._stops, self._tables, self._seed_lo, self._seed_hi, self._draws)
         return state if self._delta is None else state + (self._delta,)
 
     def _row_flags(self, row0: int, B: int) -> "RowFlags":
@@ -72,12 +76,12 @@ class RowsMixin:
     def _sample_batch(self, row0: int, seqs: list[Seq], flags: "RowFlags") -> Optional[SampleBatch]:
         if not flags.sampled:
             return None
-        uniform = torch.tensor([seqs[i].rng.random() for i in flags.sampled], dtype=torch.float64,
-                               device=self._pos.device)
         sl = slice(row0, row0 + len(seqs))
+        uniform = counter_uniform(self._seed_lo[sl], self._seed_hi[sl], self._draws[sl])
         temp, top_k, top_p, min_p = self._temp[sl], self._top_k[sl], self._top_p[sl], self._min_p[sl]
         if flags.rows is not None:
             temp, top_k, top_p, min_p = temp[flags.rows], top_k[flags.rows], top_p[flags.rows], min_p[flags.rows]
+            uniform = uniform[flags.rows]
         return SampleBatch(flags.rows, temp, top_k, top_p, min_p, uniform, truncate=flags.truncate)
 
     def _accept(self, row0: int, logits: torch.Tensor, finished: dict[int, dict[str, Any]],
@@ -99,6 +103,7 @@ class RowsMixin:
         tokens, raw, proc = sample(logits, self._sample_batch(row0, seqs, flags))
         logprobs = torch.where(self._lp_sampling[sl], proc, raw) if flags.lp_sampling else raw
         self._last[sl] = tokens
+        self._draws[sl] += self._one
         if decode:  # the fed token now sits in the cache
             self._pos[sl] += self._one
         maybe_done = self._budget[sl].sub_(self._one) <= self._zero

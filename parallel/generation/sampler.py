@@ -5,6 +5,13 @@ Why inverse-CDF sampling with a per-request uniform (instead of
 its output depends on its seed alone, not on which other requests share the
 batch, and one uniform per token is far cheaper than per-row generators.
 
+The uniforms are counter-based (:func:`counter_uniform`): the ``t``-th draw of the
+sample seeded ``s`` is a hash of ``(s, t)``, computed for every row of a step in a
+few integer tensor ops.  So a sample's tokens depend on its seed and position
+only (not on the batch, nor on a preemption and re-prefill in between), and a
+step costs no Python per row (a ``random.Random`` per sample cost ~4 us to seed
+and ~0.1 us a draw, ~5% of a default RL rollout on CPU).
+
 Order of the warpers (as transformers): temperature, then top-k, then top-p on
 the renormalised top-k distribution, then min-p (the most likely token is always
 kept).  Min-p keeps the tokens whose probability is at least ``min_p`` times the
@@ -23,7 +30,33 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SampleBatch", "sample"]
+__all__ = ["SampleBatch", "sample", "counter_uniform", "split_seed"]
+
+_M32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (Wellons' "lowbias32" family) on int64 values in
+    [0, 2**32); both multipliers are under 2**31, so no product leaves int64."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _M32
+    return x ^ (x >> 15)
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A seed's low and high 32-bit words (what :func:`counter_uniform` takes)."""
+    return seed & _M32, (seed >> 32) & _M32
+
+
+def counter_uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) (fp64, 53 random bits) of draw ``draw`` of the streams seeded
+    ``(seed_hi << 32) + seed_lo``; int64 tensors of one shape (words in [0, 2**32))."""
+    k = _hash32(seed_hi ^ _hash32((draw + 0x9E3779B9) & _M32))
+    hi = _hash32(seed_lo ^ k)
+    lo = _hash32(hi ^ _hash32(k ^ 0x85EBCA6B))
+    return ((hi >> 5) * 67108864 + (lo >> 6)).double() * (1.0 / 9007199254740992.0)
 
 
 @dataclass

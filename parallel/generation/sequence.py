@@ -1,7 +1,6 @@
 """One sequence of the generation engine, and what a step's rows need beyond greedy decoding."""
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,7 +23,7 @@ class Seq:
     """
 
     __slots__ = ("rid", "request_rid", "index", "prompt", "out", "logprobs", "versions", "params",
-                 "rng", "stop_ids", "stop_window", "samples", "truncates", "routed", "images",
+                 "seed", "stop_ids", "stop_window", "samples", "truncates", "routed", "images",
                  "blocks", "computed", "digests", "cow")
 
     def __init__(self, rid: str, request_rid: str, index: int, prompt: list[int],
@@ -35,7 +34,7 @@ class Seq:
         self.logprobs: list[float] = []
         self.versions: list[int] = []
         self.params = params
-        self.rng = random.Random(seed)
+        self.seed = seed  # draw t of its sampling stream: parallel.generation.sampler.counter_uniform(seed, t)
         self.stop_ids = stop_ids
         # tokens to decode when looking for a stop string (a token is >= 1 byte, a char <= 4)
         self.stop_window = 4 * max((len(s) for s in params.stop), default=0) + 8

@@ -230,9 +230,9 @@ class SteppingMixin:
             pool_rows = self.pool.rows_at(self._tables[:B], pos[:, None]).squeeze(1)
             if self.graphs is not None:  # replayed from static buffers (parallel.generation.cuda_graphs)
                 logits = self.graphs.run(self._last[:B], pos, self._tables[:B], pool_rows)
-            else:  # each row's tokens 0..L-1 through its block table
-                ctx_rows = self.pool.rows_at(self._tables[:B], self.decoder._positions[: int(pos.max()) + 1])
-                logits = self.decoder.decode(self._last[:B], pos, None, rope, self.pool, pool_rows, ctx_rows)
+            else:  # each row's tokens 0..pos through its block table
+                tables = self._tables[:B, : int(pos.max()) // bs + 1]
+                logits = self.decoder.decode(self._last[:B], pos, None, rope, self.pool, pool_rows, tables)
         olds = self._running[:B]
         if self.decoder.routing is not None:  # the fed token sits at len(prompt) + len(out) - 1
             record_decode([s.routed for s in olds], self.decoder.routing,

@@ -61,6 +61,7 @@ class SteppingMixin:
         rows = (pos % bs == 0).nonzero().flatten().tolist()
         if any(s.cow for s in self._running):
             rows = sorted(set(rows).union(i for i, s in enumerate(self._running) if s.cow))
+        changes: list[tuple[int, int, int]] = []  # (row, table column, block): one indexed write
         for i in rows:
             while i < len(self._running):
                 seq = self._running[i]
@@ -71,9 +72,14 @@ class SteppingMixin:
                     self._preempt_last()
                     continue
                 if changed:
-                    self._tables[i, p // bs] = block
+                    changes.append((i, p // bs, block))
                 break
-        return len(self._running)
+        n = len(self._running)
+        changes = [c for c in changes if c[0] < n]  # a row preempted after its block was set: gone
+        if changes:
+            r, c, b = torch.tensor(changes, dtype=torch.long, device=self._tables.device).unbind(1)
+            self._tables[r, c] = b
+        return n
 
     def _preempt_last(self) -> None:
         """A prompt being prefilled in chunks, else the newest running row, goes back to the head

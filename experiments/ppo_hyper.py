@@ -54,6 +54,15 @@ class PPOHyperConfig(PPOConfig):
         "help": "the trainer's generator: prompt + new tokens of one sequence, the length of each KV-cache slot "
                 "(None = the longest prompt + max_new_tokens rounded up to a power of two, at most the model's "
                 "context; generation servers: rollout.max_model_len)"})
+    enforce_eager: Optional[bool] = field(default=None, metadata={
+        "help": "GPU: the trainer's generator decodes without CUDA graphs (None = false; generation servers: "
+                "rollout.enforce_eager)"})
+    kv_block_size: Optional[int] = field(default=None, metadata={
+        "help": "tokens per KV block of the trainer's generator, a power of two (None = 16; generation servers: "
+                "rollout.kv_block_size)"})
+    prefix_sharing: Optional[bool] = field(default=None, metadata={
+        "help": "the trainer's generator: a group's samples prefill their prompt once and share its KV blocks "
+                "(None = true; generation servers: rollout.prefix_sharing)"})
 
     def __post_init__(self) -> None:
         """Every value is checked where it is set (a bad one fails before anything runs): the knobs
@@ -74,6 +83,9 @@ class PPOHyperConfig(PPOConfig):
         self._check_combinations()
         check_inference_memory(0.5 if self.gpu_memory_utilization is None else self.gpu_memory_utilization,
                                self.max_model_len, prefix="ppo.")
+        b = self.kv_block_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1 or b & (b - 1)):
+            raise bad("kv_block_size", "must be a power of two (tokens per KV block; 16 is usual)")
         if self.max_model_len is not None and self.max_model_len <= self.max_new_tokens:
             raise bad("max_model_len", f"leaves no room for a prompt before ppo.max_new_tokens={self.max_new_tokens} "
                                        f"new tokens: raise it or leave it unset")
@@ -123,8 +135,13 @@ class PPOHyperConfig(PPOConfig):
         """``mfc.ppo_actor.PPOActorInterface`` arguments: the knobs (as plain data: interface arguments
         travel to the workers as msgpack) and the sampling."""
         return {"max_new_tokens": self.max_new_tokens, **self.sampling_args(), "ppo": config_to_dict(self.knobs()),
-                "eval_max_new_tokens": self.max_new_tokens, "gpu_memory_utilization": self.gpu_memory_utilization,
-                "max_model_len": self.max_model_len}
+                "eval_max_new_tokens": self.max_new_tokens, **self.generator_args()}
+
+    def generator_args(self) -> dict[str, Any]:
+        """The trainer's own generator (``mfc.ppo_actor.PPOActorInterface``): its KV cache and engine settings."""
+        return {"gpu_memory_utilization": self.gpu_memory_utilization, "max_model_len": self.max_model_len,
+                "enforce_eager": self.enforce_eager, "kv_block_size": self.kv_block_size,
+                "prefix_sharing": self.prefix_sharing}
 
     def critic_args(self) -> dict[str, Any]:
         """``mfc.ppo_critic.PPOCriticInterface`` arguments (the same knobs as the actor's)."""

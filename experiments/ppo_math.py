@@ -301,8 +301,7 @@ class _RLBase(BaseExperimentConfig):
                         interface_impl="ppo_actor",
                         interface_args={"eval_max_new_tokens": h.max_new_tokens, "eval_n_samples": self.eval_n_samples,
                                         "max_new_tokens": h.max_new_tokens, **h.sampling_args(),
-                                        "gpu_memory_utilization": h.gpu_memory_utilization,
-                                        "max_model_len": h.max_model_len,
+                                        **h.generator_args(),
                                         "seed": self.seed, "eval_reward": reward, "eval_reward_args": reward_args},
                         freq_steps=self.eval_freq_steps)
 

@@ -26,6 +26,7 @@ from mfc.reward import held_out_scores
 from mfc.rl_batch import WORK_KEYS, KLPenalty, flat_seqlens, run_ppo_updates
 from realflow.api.batch import MicroBatchSpec, SequenceBatch
 from realflow.api.config_values import dict_to_config
+from realflow.api.engine import GENERATOR_SETTINGS
 from realflow.api.generation import SamplingParams
 from realflow.api.interface import Model, ModelInterface, register_interface
 from realflow.api.keys import (INPUT_IDS, LOGPROBS, NO_EOS, PROMPT_MASK, PROMPTS, PROX_LOGPROBS, REF_LOGPROBS,
@@ -57,10 +58,13 @@ class PPOActorInterface(ModelInterface):
     # the proximal policy (key PROX_LOGPROBS, from actor_inf) and weight each token by pi_prox / pi_behav,
     # corrected by ppo.mismatch_correction and capped at ppo.behav_imp_weight_cap
     decoupled: bool = False
-    # the engine's own generator: KV-cache memory (ppo.gpu_memory_utilization, ppo.max_model_len;
-    # None = the engine's defaults)
+    # the engine's own generator: KV-cache memory and engine settings (ppo.gpu_memory_utilization,
+    # ppo.max_model_len, ppo.enforce_eager, ppo.kv_block_size, ppo.prefix_sharing; None = the engine's defaults)
     gpu_memory_utilization: Optional[float] = None
     max_model_len: Optional[int] = None
+    enforce_eager: Optional[bool] = None
+    kv_block_size: Optional[int] = None
+    prefix_sharing: Optional[bool] = None
 
     def __post_init__(self) -> None:
         # bad sampling settings fail when the interface is built, not at the first generate
@@ -76,7 +80,7 @@ class PPOActorInterface(ModelInterface):
         tok = model.tokenizer
         prompts = [batch.sequences(PROMPTS, i)[0].tolist() for i in range(len(batch))]
         gen = model.module.generator(max(map(len, prompts), default=1) + self.max_new_tokens,
-                                     version=model.version, tokenizer=tok, **self._generator_memory())
+                                     version=model.version, tokenizer=tok, **self._generator_settings())
         # seeds: reproducible per (run seed, weight version, sample)
         params = [self._sampling(tok, self.n_samples, zlib.crc32(f"{self.seed}/{model.version}/{sid}".encode()))
                   for sid in batch.ids]
@@ -121,10 +125,9 @@ class PPOActorInterface(ModelInterface):
                               stop_token_ids=self._stop_ids(tok),
                               logprob_mode="raw" if self.temperature == 1.0 else "sampling")
 
-    def _generator_memory(self) -> dict[str, Any]:
-        """The KV-cache keys the user set (only those: an engine written before them still works)."""
-        return {k: v for k, v in (("gpu_memory_utilization", self.gpu_memory_utilization),
-                                  ("max_model_len", self.max_model_len)) if v is not None}
+    def _generator_settings(self) -> dict[str, Any]:
+        """The generator keys the user set (only those: an engine written before them still works)."""
+        return {k: getattr(self, k) for k in GENERATOR_SETTINGS if getattr(self, k) is not None}
 
     def _stop_ids(self, tok: Any) -> list[int]:
         """The tokenizer's eos, then ``stop_token_ids``."""
@@ -260,7 +263,7 @@ class PPOActorInterface(ModelInterface):
         kw = {"images": [sample_images(batch, i) for i in range(len(batch))]} if has_images(batch) else {}
         if eng.strategy.pp == 1 and not eng.is_critic:
             context = max(map(len, prompts), default=1) + max(self.eval_max_new_tokens, self.max_new_tokens)
-            gen = eng.generator(context, version=model.version, tokenizer=tok, **self._generator_memory())
+            gen = eng.generator(context, version=model.version, tokenizer=tok, **self._generator_settings())
             # greedy: no truncation, but a response ends where a training one would
             res = gen.generate(prompts, SamplingParams(max_new_tokens=self.eval_max_new_tokens, temperature=0.0,
                                                        stop=list(self.stop), stop_token_ids=self._stop_ids(tok)),

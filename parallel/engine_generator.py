@@ -21,19 +21,22 @@ COLOCATED_GPU_MEMORY_UTILIZATION = 0.5
 
 
 def colocated_generator(engine: Any, context: int, *, version: int, tokenizer: Any, max_running: int,
-                        gpu_memory_utilization: Optional[float], max_model_len: Optional[int]) -> Any:
+                        gpu_memory_utilization: Optional[float], max_model_len: Optional[int],
+                        enforce_eager: Optional[bool] = None, kv_block_size: Optional[int] = None,
+                        prefix_sharing: Optional[bool] = None) -> Any:
     """``engine``'s generator (kept on it as ``engine._generator``), rebuilt when the caller needs a
-    longer context than its KV cache holds or asks for other memory settings (the old cache is
-    freed before the new one is made); told ``version`` when the weights moved since."""
+    longer context than its KV cache holds or asks for other settings (the old cache is freed
+    before the new one is made); told ``version`` when the weights moved since."""
     gen = engine._generator
-    want = (gpu_memory_utilization, max_model_len)
-    if gen is not None and (getattr(gen, "memory_settings", want) != want
+    want = (gpu_memory_utilization, max_model_len, enforce_eager, kv_block_size, prefix_sharing)
+    if gen is not None and (getattr(gen, "settings", want) != want
                             or gen.max_context < min(max_model_len or context, gen.model_context)):
         engine._generator = gen = None
     if gen is None:
         gen = engine._generator = build_colocated_generator(engine, context, tokenizer, max_running,
-                                                            gpu_memory_utilization, max_model_len)
-        gen.memory_settings = want
+                                                            gpu_memory_utilization, max_model_len,
+                                                            enforce_eager, kv_block_size, prefix_sharing)
+        gen.settings = want
     if gen.weight_version != version:
         if getattr(engine, "lora", None) is not None:
             from parallel.engine_lora import refresh_merged
@@ -49,7 +52,8 @@ def colocated_generator(engine: Any, context: int, *, version: int, tokenizer: A
 
 def build_colocated_generator(engine: Any, context: int, tokenizer: Any, max_running: int,
                               gpu_memory_utilization: Optional[float] = None,
-                              max_model_len: Optional[int] = None) -> Any:
+                              max_model_len: Optional[int] = None, enforce_eager: Optional[bool] = None,
+                              kv_block_size: Optional[int] = None, prefix_sharing: Optional[bool] = None) -> Any:
     """A :class:`parallel.generation.GenerationEngine` over ``engine``'s parameters.
 
     ``context``: the longest prompt + new tokens the caller needs. The KV cache is sized for it
@@ -65,7 +69,9 @@ def build_colocated_generator(engine: Any, context: int, tokenizer: Any, max_run
                          f"generate MFC its own allocation (e.g. actor_gen:d2)")
     size = max_model_len or min(1 << max(int(context) - 1, 1).bit_length(), engine.arch.max_position_embeddings)
     fraction = COLOCATED_GPU_MEMORY_UTILIZATION if gpu_memory_utilization is None else gpu_memory_utilization
+    engine_kw = {k: v for k, v in (("enforce_eager", enforce_eager), ("block_size", kv_block_size),
+                                   ("prefix_sharing", prefix_sharing)) if v is not None}
     return GenerationEngine.from_megatron(
         engine, EngineConfig(max_running_requests=max_running, max_model_len=size,
-                             gpu_memory_utilization=fraction),
+                             gpu_memory_utilization=fraction, **engine_kw),
         tokenizer=tokenizer)

@@ -215,8 +215,9 @@ class EngineInferenceMixin:
         return new
 
     def generator(self, context: int, *, version: int, tokenizer: Any = None, max_running: int = 256,
-                  gpu_memory_utilization: Optional[float] = None,
-                  max_model_len: Optional[int] = None) -> BatchGenerator:
+                  gpu_memory_utilization: Optional[float] = None, max_model_len: Optional[int] = None,
+                  enforce_eager: Optional[bool] = None, kv_block_size: Optional[int] = None,
+                  prefix_sharing: Optional[bool] = None) -> BatchGenerator:
         """The generation engine over this engine's parameters (built once, then reused; pp = 1, LM only).
 
         ``context``: the longest prompt + new tokens the caller needs; a later call that needs
@@ -224,8 +225,11 @@ class EngineInferenceMixin:
         version; when it differs from the generator's, the weights moved in place since the
         last call (an optimizer step, a reallocation) and the generator refreshes what it
         derives from them. ``tokenizer`` (for stop strings) is taken when the generator is built.
-        ``gpu_memory_utilization`` / ``max_model_len`` size its KV cache (``ppo.*`` keys; see
+        ``gpu_memory_utilization`` / ``max_model_len`` size its KV cache, ``enforce_eager``,
+        ``kv_block_size`` and ``prefix_sharing`` set its engine (``ppo.*`` keys; see
         :mod:`parallel.engine_generator` for the defaults).
         """
         return colocated_generator(self, context, version=version, tokenizer=tokenizer, max_running=max_running,
-                                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
+                                   gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                                   enforce_eager=enforce_eager, kv_block_size=kv_block_size,
+                                   prefix_sharing=prefix_sharing)

@@ -133,6 +133,11 @@ def case_megatron_engine(ctx):
     bigger = eng.generator(40, version=0)
     out["rebuilt_larger"] = bigger is not gen and bigger.max_context >= 40
     out["version_told"] = eng.generator(8, version=5).weight_version == 5
+    # ppo.enforce_eager / kv_block_size / prefix_sharing reach the generator's engine (a new one)
+    tuned = eng.generator(8, version=5, kv_block_size=32, prefix_sharing=False, enforce_eager=True)
+    out["settings"] = [tuned is not bigger, tuned.config.block_size, tuned.config.prefix_sharing,
+                       tuned.config.enforce_eager, eng.generator(8, version=5, kv_block_size=32, prefix_sharing=False,
+                                                                 enforce_eager=True) is tuned]
     backend.offload(eng)
     backend.reload(eng)
     out["no_new_attributes"] = sorted(set(vars(eng)) - before)
@@ -155,6 +160,7 @@ def test_a_built_megatron_engine_satisfies_the_protocol_and_owns_its_generator()
     assert d["train_engine"] and d["nonfinite"] and d["batch_generator"], d
     assert d["is_critic"] is False and d["strategy"] == "d1t1p1"
     assert d["same"] and d["greedy_agrees"] and d["rebuilt_larger"] and d["version_told"], d
+    assert d["settings"] == [True, 32, False, True, True], d
     # the generator lives in the engine's own slot; offload/reload leave nothing on the engine
     assert d["no_new_attributes"] == [], d
     assert d["critic_ok"] and "critic" in d["critic_generator"], d

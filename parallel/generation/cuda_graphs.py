@@ -8,7 +8,9 @@ captured on, and every shape must be fixed. So:
 * rows are padded to a bucket (1, 2, 4, ... ``max_rows``); padded rows read block 0 and write
   the pool's scratch row, and their logits are dropped;
 * the context is padded to a bucket of positions (a power of two of blocks, up to the longest
-  sequence); positions past a row's own are masked, as in the eager step;
+  sequence); positions past a row's own are masked, as in the eager step.  With the paged
+  attention kernel (:mod:`parallel.generation.paged_attention`), which reads each row's length
+  from a tensor, every graph takes the whole table: one graph per row bucket;
 * one graph per (row bucket, context bucket), captured the first time it is needed (after one
   warm-up run on a side stream, as torch requires), replayed after; all share one memory pool
   (they never run at once, and a step reads its logits before the next replay).
@@ -62,7 +64,9 @@ class DecodeGraphs:
         """Logits ``[B, V]`` of one decode step of ``B`` rows (their block tables ``tables [B, W]``)."""
         B = tokens.shape[0]
         rows = bucket(B, self.max_rows)
-        blocks = bucket(int(pos.max()) // self.bs + 1, self.width)
+        # the kernel walks each row's own blocks: one graph per row bucket covers every context
+        blocks = self.width if self.decoder.paged_kernel is not None else \
+            bucket(int(pos.max()) // self.bs + 1, self.width)
         self.tokens[:B].copy_(tokens)
         self.pos[:B].copy_(pos)
         self.tables[:B].copy_(tables)

@@ -329,6 +329,7 @@ class Decoder:
         B, ng, rep, hd = tokens.shape[0], s.local_groups, self.rep, s.head_dim
         x = self._embed(tokens)  # [B, h]
         cos, sin = self.cos_sin[pos if rope_pos is None else rope_pos].view(B, 1, 2, 1, hd).unbind(2)
+        kernel = None
         if cache is not None:
             L = int(pos.max()) + 1
             cache.reserve(L, B)
@@ -343,8 +344,9 @@ class Decoder:
             else:
                 lens = pos + 1
         # additive mask for positions beyond each row's own, one row per query: [B*ng, rep, L]
-        bias = torch.where(self._positions[:L] > pos[:, None], self._neg_inf, self._zero).to(x.dtype)
-        bias = bias[:, None, None, :].expand(B, ng, rep, L).reshape(B * ng, rep, L)
+        if cache is not None or kernel is None:  # (the kernel masks by each row's length itself)
+            bias = torch.where(self._positions[:L] > pos[:, None], self._neg_inf, self._zero).to(x.dtype)
+            bias = bias[:, None, None, :].expand(B, ng, rep, L).reshape(B * ng, rep, L)
         half = hd // 2
         ffn = s.ffn // s.tp_size
         routing = None if self.moe is None else self._new_routing(B, x.device)

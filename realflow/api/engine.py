@@ -33,8 +33,12 @@ from realflow.api.generation import GenerationResult, SamplingParams
 __all__ = [
     "TrainEngine", "TokenOutputs", "BatchGenerator", "LossFn", "MicroBatches",
     "NonFiniteConfigurable", "AdapterEngine", "has_adapters", "PadFreeEngine", "runs_pad_free", "check_engine",
-    "protocol_members",
+    "protocol_members", "GENERATOR_SETTINGS",
 ]
+
+#: keyword settings of :meth:`TrainEngine.generator` beyond the context (``ppo.<key>`` in PPO
+#: experiments); a caller passes only those the user set, so engines written before one still work
+GENERATOR_SETTINGS = ("gpu_memory_utilization", "max_model_len", "enforce_eager", "kv_block_size", "prefix_sharing")
 
 
 class TokenOutputs(Protocol):
@@ -149,11 +153,13 @@ class TrainEngine(Protocol):
 
     def generator(self, context: int, *, version: int, tokenizer: Any = None,
                   max_running: int = 256, gpu_memory_utilization: Optional[float] = None,
-                  max_model_len: Optional[int] = None) -> BatchGenerator:
+                  max_model_len: Optional[int] = None, enforce_eager: Optional[bool] = None,
+                  kv_block_size: Optional[int] = None, prefix_sharing: Optional[bool] = None) -> BatchGenerator:
         """The engine's own sampler over its current weights for prompt + answer up to ``context`` tokens,
         built on first use and kept; ``version`` (the model's weight version) tells it the weights moved.
-        ``gpu_memory_utilization`` / ``max_model_len`` (None: the engine's defaults) size its KV cache;
-        callers pass them only when the user set them, so engines written before them still work."""
+        ``gpu_memory_utilization`` / ``max_model_len`` size its KV cache, ``enforce_eager``,
+        ``kv_block_size`` and ``prefix_sharing`` set its engine (None: the engine's defaults; see
+        :data:`GENERATOR_SETTINGS`: callers pass only what the user set)."""
         ...
 
     def save_hf(self, path: str, tokenizer_dir: Optional[str] = None) -> None:

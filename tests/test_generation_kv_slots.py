@@ -91,3 +91,36 @@ def test_workspace_decode_is_bit_identical(ckpts, family):
             toks, pos = logits.argmax(-1), pos + 1
         outs.append(torch.stack(step_logits))
     assert torch.equal(outs[0], outs[1])
+
+
+def _huge_kb(ptr: int) -> int:
+    """AnonHugePages (kB) of the mapping holding address ``ptr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def test_kv_memory_is_zeroed_and_huge_page_backed():
+    """The pool and slots' memory (parallel.generation.host_memory): zeros, and on a Linux host whose
+    transparent huge pages are on (always / madvise) backed by 2 MB pages."""
+    import os
+
+    from parallel.generation.host_memory import kv_zeros
+
+    small = kv_zeros((3, 5), torch.float32, torch.device("cpu"))
+    assert small.shape == (3, 5) and float(small.abs().sum()) == 0.0
+    t = kv_zeros((4, 1024, 1024), torch.float32, torch.device("cpu"))  # 16 MB
+    assert t.shape == (4, 1024, 1024) and t.dtype == torch.float32 and t.is_contiguous()
+    assert float(t.abs().sum()) == 0.0
+    assert t.data_ptr() % (2 << 20) == 0
+    mode_file = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(mode_file) or "[never]" in open(mode_file).read():
+        pytest.skip("transparent huge pages are off on this host")
+    assert _huge_kb(t.data_ptr()) >= 2048, "the KV memory is not backed by huge pages"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from parallel.generation.host_memory import kv_zeros
 from parallel.generation.weights import ModelSpec
 
 __all__ = ["KVCache"]
@@ -50,8 +51,8 @@ class KVCache:
         shape = (self.layers, self.slots, self.groups, capacity, self.head_dim)
         # zeros, not empty: masked positions still meet the values in softmax(scores) @ V, and
         # 0 * NaN from uninitialised memory would be NaN
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k = kv_zeros(shape, self.dtype, self.device)
+        self.v = kv_zeros(shape, self.dtype, self.device)
         self.capacity = capacity
         # flat per-layer views for decode's index_copy_ writes: one row per (slot, group, pos)
         self.k_flat = [t.view(-1, self.head_dim) for t in self.k]

@@ -6,16 +6,17 @@ token ``t`` of a sequence whose block table is ``table`` lives in row
 that padded positions write into (and masked positions read), so a batch of ragged rows is one
 ``index_copy_`` / ``index_select`` with no branches.
 
-Attention reads the pool in one of two ways (:class:`parallel.generation.decoder.Decoder`):
+Attention reads the pool in one of three ways (``decode_attention``; :class:`parallel.generation.decoder.Decoder`):
 
-* ``paged`` -- gather each row's context by its block table, then attend (any device; the
-  GPU's path). The gather is a copy of every row's keys and values per layer and step.
+* ``paged`` (the GPU's) -- each row attends over its blocks in place, through the Triton kernel
+  of :mod:`parallel.generation.paged_attention`;
+* ``gather`` (``paged`` without Triton) -- each row's context is gathered by its block table into
+  a new tensor, then attended over: a copy of every row's keys and values per layer and step;
 * ``contiguous`` (CPU's default) -- a per-row contiguous copy of the block tables' contents
-  (:class:`parallel.generation.decoder.KVCache`, one slot per running row) kept up to date as
-  tokens are written: a row's context is gathered once when it joins, and decode reads plain
-  ``[head_dim, L]`` blocks. Measured on this CPU (512 rows x 64 positions, 2 kv heads of 32):
-  the gather path costs ~8x the attention it feeds, the copy makes decode as fast as before
-  paging; it doubles the KV memory, which a CPU host has.
+  (:class:`parallel.generation.kv_slots.KVCache`, one slot per running row) kept up to date as
+  tokens are written: a row's context is copied once when it joins, and decode reads plain views.
+  Measured on this CPU (512 rows x 64 positions, 2 kv heads of 32): the gather costs ~8x the
+  attention it feeds; the copy doubles the KV memory, which a CPU host has.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from parallel.generation.host_memory import kv_zeros
 from parallel.generation.weights import ModelSpec
 
 __all__ = ["PagedKVCache", "block_bytes"]
@@ -41,8 +43,8 @@ class PagedKVCache:
                  device: torch.device) -> None:
         rows = num_blocks * block_size + 1
         shape = (spec.num_layers, rows, spec.local_groups, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = kv_zeros(shape, dtype, device)
+        self.v = kv_zeros(shape, dtype, device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.scratch = rows - 1  # the row padded positions write to
         self.device = device

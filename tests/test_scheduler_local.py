@@ -171,8 +171,13 @@ def test_stop_all_escalates_to_sigkill_within_grace(tmp_path):
     piddir.mkdir()
     with LocalScheduler(tmp_path / "logs", console=False) as s:
         s.submit("w0", worker("sleeper", piddir))
-        s.submit("stubborn", ["sh", "-c", "trap '' TERM; sleep 600 & wait"])
+        ready = piddir / "stubborn.ready"  # written once the trap is set (a TERM before it would kill it)
+        s.submit("stubborn", ["sh", "-c", f"trap '' TERM; touch {ready}; sleep 600 & wait"])
         pids = wait_for_pids(piddir, ["w0"]) + [s.pid("stubborn")]
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the TERM-ignoring shell did not start within 30 s"
+            time.sleep(0.05)
         t0 = time.monotonic()
         s.stop_all(grace=1.0)
         took = time.monotonic() - t0

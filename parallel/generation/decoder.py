@@ -342,7 +342,8 @@ class Decoder:
             if kernel is None:
                 ctx_rows = pool.rows_at(tables, self._positions[:L])
             else:
-                lens = pos + 1
+                # int32 once per step, not per layer (what the kernel indexes with)
+                lens, tables = (pos + 1).to(torch.int32), tables.to(torch.int32)
         # additive mask for positions beyond each row's own, one row per query: [B*ng, rep, L]
         if cache is not None or kernel is None:  # (the kernel masks by each row's length itself)
             bias = torch.where(self._positions[:L] > pos[:, None], self._neg_inf, self._zero).to(x.dtype)

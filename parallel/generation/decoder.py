@@ -41,6 +41,9 @@ __all__ = ["KVCache", "Decoder", "Probe"]
 Probe = Callable[[str, int, torch.Tensor], None]
 
 
+#: contiguous decode attends over a multiple of this many positions (see :meth:`Decoder.decode`)
+_ATTEND_MULTIPLE = 16
+
 _WIDTHS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
@@ -91,11 +94,6 @@ def _linear_2d(x: torch.Tensor, w: torch.Tensor, w_t: Optional[torch.Tensor], b:
         return _linear(x, w, w_t, b)
     out = ws.get(name, x.shape[0], w_t.shape[1])
     return torch.mm(x, w_t, out=out) if b is None else torch.addmm(b, x, w_t, out=out)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Decoder:
@@ -170,22 +168,6 @@ class Decoder:
             self.probe("logits", -1, out)
         return out
 
-    def _qkv(self, layer, x: torch.Tensor):
-        """x [..., h] -> q [..., ng, rep, hd], k, v [..., ng, hd] (qk-norm applied)."""
-        s = self.spec
-        qkv = _linear(x, layer.qkv_w, layer.qkv_t, layer.qkv_b)
-        qkv = qkv.view(*x.shape[:-1], s.local_groups, self.rep + 2, s.head_dim)
-        q, k, v = qkv[..., : self.rep, :], qkv[..., self.rep, :], qkv[..., self.rep + 1, :]
-        if layer.q_norm is not None:
-            q = _rms(q, layer.q_norm, self.eps)
-            k = _rms(k, layer.k_norm, self.eps)
-        return q, k, v
-
-    def _mlp(self, layer, x: torch.Tensor) -> torch.Tensor:
-        h = _rms(x, layer.ln2, self.eps)
-        gate, up = _linear(h, layer.fc1_w, layer.fc1_t).chunk(2, dim=-1)
-        return self._all_reduce(_linear(F.silu(gate) * up, layer.fc2_w, layer.fc2_t))
-
     def _moe(self, layer, li: int, x: torch.Tensor, routing: torch.Tensor,
              rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """MoE MLP of ``x [..., h]``; writes layer ``li``'s expert ids into ``routing [N, layers, k]``."""
@@ -257,40 +239,56 @@ class Decoder:
         ``positions [J, P]``: rotary positions when rows do not start at 0."""
         s = self.spec
         J, P = ids.shape
+        N, ng, rep, hd = J * P, s.local_groups, self.rep, s.head_dim
         x = self._embed(ids)  # [J, P, h]
         if images is not None:
             rows_j, rows_p, feats = images
             x[rows_j, rows_p] = feats.to(x.dtype)
+        # rotate_half(x) * sin == roll(x, half) * sin_signed, exactly (see decode)
         if rope is not None:
-            cos = rope[0].view(J, P, 1, 1, -1)
-            sin = rope[1].view(J, P, 1, 1, -1)
+            cos = rope[0].view(J, P, 1, 1, hd)
+            half = hd // 2
+            sin = torch.cat((-rope[1][..., :half], rope[1][..., half:]), -1).view(J, P, 1, 1, hd)
         elif positions is not None:
-            cos = self.cos[positions].view(J, P, 1, 1, -1)
-            sin = self.sin[positions].view(J, P, 1, 1, -1)
+            cos, sin = self.cos_sin[positions].view(J, P, 2, 1, 1, hd).unbind(2)
         else:
-            cos = self.cos[:P].view(1, P, 1, 1, -1)
-            sin = self.sin[:P].view(1, P, 1, 1, -1)
+            cos, sin = self.cos_sin[:P].view(1, P, 2, 1, 1, hd).unbind(2)
         probe = self.probe
         if probe is not None:
             probe("embedding", -1, x)
         routing = rows = None
         if self.moe is not None:
-            routing = self._new_routing(J * P, x.device)
-            if int(lens.sum()) != J * P:  # experts run on the real tokens only
+            routing = self._new_routing(N, x.device)
+            if int(lens.sum()) != N:  # experts run on the real tokens only
                 rows = (self._positions[:P][None, :] < lens[:, None]).reshape(-1).nonzero().squeeze(1)
+        # the token rows as one 2-d batch: the matmuls, norms and the MLP run as in decode, into
+        # the reused buffers (fresh [N, 2*ffn] outputs page-fault: ~3x the matmul on the CI VM)
+        ws = self.ws
+        x2 = x.view(N, -1)
+        ffn = s.ffn // s.tp_size
         for li, layer in enumerate(self.w.layers):
-            h = _rms(x, layer.ln1, self.eps)
-            q, k, v = self._qkv(layer, h)  # q [J, P, ng, rep, hd], k/v [J, P, ng, hd]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos[:, :, 0] + _rotate_half(k) * sin[:, :, 0]
-            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [J, ng, P, hd]
-            q = q.reshape(J, P, s.local_heads, s.head_dim).transpose(1, 2)  # [J, nh, P, hd]
+            h = _rms(x2, layer.ln1, self.eps, ws, "h")
+            qkv = _linear_2d(h, layer.qkv_w, layer.qkv_t, layer.qkv_b, ws, "qkv").view(J, P, ng, rep + 2, hd)
+            if layer.q_norm is None:
+                qk = qkv[:, :, :, : rep + 1]
+            else:
+                qk = torch.cat((_rms(qkv[:, :, :, :rep], layer.q_norm, self.eps),
+                                _rms(qkv[:, :, :, rep:rep + 1], layer.k_norm, self.eps)), 3)
+            qk = torch.mul(qk, cos).addcmul_(qk.roll(hd // 2, -1), sin)  # [J, P, ng, rep+1, hd]
+            q = qk[:, :, :, :rep].reshape(J, P, s.local_heads, hd).transpose(1, 2)  # [J, nh, P, hd]
+            k, v = qk[:, :, :, rep].transpose(1, 2), qkv[:, :, :, rep + 1].transpose(1, 2)  # [J, ng, P, hd]
             o = attend(li, q, k, v)
-            o = o.transpose(1, 2).reshape(J, P, s.local_heads * s.head_dim)
-            x = x + self._all_reduce(_linear(o, layer.proj_w, layer.proj_t))
+            o = o.transpose(1, 2).reshape(N, s.local_heads * hd)
+            x2.add_(self._all_reduce(_linear_2d(o, layer.proj_w, layer.proj_t, None, ws, "proj")))
             if probe is not None:
                 probe("attention", li, x)
-            x = x + (self._mlp(layer, x) if routing is None else self._moe(layer, li, x, routing, rows))
+            if routing is not None:
+                x2.add_(self._moe(layer, li, x2, routing, rows))
+            else:
+                gate_up = _linear_2d(_rms(x2, layer.ln2, self.eps, ws, "h"), layer.fc1_w, layer.fc1_t, None,
+                                     ws, "fc1")
+                act = F.silu(gate_up[:, :ffn], inplace=True).mul_(gate_up[:, ffn:])
+                x2.add_(self._all_reduce(_linear_2d(act, layer.fc2_w, layer.fc2_t, None, ws, "fc2")))
             if probe is not None:
                 probe("mlp", li, x)
         if routing is not None:
@@ -333,6 +331,10 @@ class Decoder:
         if cache is not None:
             L = int(pos.max()) + 1
             cache.reserve(L, B)
+            # attend over a multiple of 16 positions (the capacity is one): torch's CPU softmax
+            # over a last dim shorter than 16 costs 4-10x one of 16 (measured at 512 rows: 0.3-0.5
+            # ms vs 0.04 ms a layer), far more than the masked extra columns' matmul work
+            L = min(-(-L // _ATTEND_MULTIPLE) * _ATTEND_MULTIPLE, cache.capacity)
             idx = cache.decode_index(pos)
             keys = cache.k[:, :B, :, :L].flatten(1, 2)  # [layers, B*ng, L, hd], a view
             values = cache.v[:, :B, :, :L].flatten(1, 2)

@@ -8,6 +8,8 @@ their places (:meth:`RowsMixin._remove_rows`), keeping the batch compact.
 """
 from __future__ import annotations
 
+from collections import deque
+from itertools import repeat
 from typing import Any, Optional
 
 import torch
@@ -67,9 +69,11 @@ class RowsMixin:
             if sampled and len(sampled) < B:
                 rows = torch.tensor(sampled, device=self._pos.device)
             flags = RowFlags(sampled, rows, any(seqs[i].truncates for i in sampled),
-                              any(s.params.logprob_mode != "raw" for s in seqs),
-                              any(s.stop_ids for s in seqs),
-                              [i for i, s in enumerate(seqs) if s.params.stop])
+                             any(seqs[i].params.temperature != 1.0 for i in sampled),
+                             any(s.params.logprob_mode != "raw" for s in seqs),
+                             any(s.stop_ids for s in seqs),
+                             [i for i, s in enumerate(seqs) if s.params.stop],
+                             [s.out for s in seqs], [s.logprobs for s in seqs], [s.versions for s in seqs])
             self._flags[key] = flags
         return flags
 
@@ -82,7 +86,8 @@ class RowsMixin:
         if flags.rows is not None:
             temp, top_k, top_p, min_p = temp[flags.rows], top_k[flags.rows], top_p[flags.rows], min_p[flags.rows]
             uniform = uniform[flags.rows]
-        return SampleBatch(flags.rows, temp, top_k, top_p, min_p, uniform, truncate=flags.truncate)
+        return SampleBatch(flags.rows, temp, top_k, top_p, min_p, uniform, truncate=flags.truncate,
+                           tempered=flags.tempered)
 
     def _accept(self, row0: int, logits: torch.Tensor, finished: dict[int, dict[str, Any]],
                 decode: bool) -> None:
@@ -96,7 +101,10 @@ class RowsMixin:
         sl = slice(row0, row0 + B)
         seqs = self._running[sl]
         flags = self._row_flags(row0, B)
-        finite = torch.isfinite(logits).all(-1)  # a NaN/inf row would sample garbage: that request fails
+        # a NaN/inf row would sample garbage: that request fails. A row's sum is non-finite when
+        # one of its logits is (or, finite, they overflow fp32: a diverged model too); 10x cheaper
+        # than isfinite(logits).all(-1) on CPU
+        finite = torch.isfinite(logits.sum(-1))
         bad_rows = [] if bool(finite.all()) else (~finite).nonzero().flatten().tolist()
         if bad_rows:
             logits = torch.where(finite[:, None], logits, torch.zeros_like(logits))
@@ -116,12 +124,16 @@ class RowsMixin:
                                   f"(weight version {version})", "weight_version": version}
             self.nonfinite_requests += 1
         skip = set(bad_rows)
-        for i, (seq, tok, lp) in enumerate(zip(seqs, toks, lps)):
-            if i in skip:
-                continue
-            seq.out.append(tok)
-            seq.logprobs.append(lp)
-            seq.versions.append(version)
+        if skip:
+            for i, (seq, tok, lp) in enumerate(zip(seqs, toks, lps)):
+                if i not in skip:
+                    seq.out.append(tok)
+                    seq.logprobs.append(lp)
+                    seq.versions.append(version)
+        else:  # the common case: C loops (~10x faster than a Python loop over 500 rows)
+            deque(map(list.append, flags.outs, toks), maxlen=0)
+            deque(map(list.append, flags.logprobs, lps), maxlen=0)
+            deque(map(list.append, flags.versions, repeat(version)), maxlen=0)
         self.tokens_generated += B - len(bad_rows)
         check = flags.stop_strings
         if bool(maybe_done.any()):

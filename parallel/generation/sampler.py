@@ -75,6 +75,7 @@ class SampleBatch:
     min_p: torch.Tensor  # [S] fp32, 0 = off
     uniform: torch.Tensor  # [S] fp64 draws in [0, 1)
     truncate: bool  # some row has top-k, top-p or min-p
+    tempered: bool = True  # some row's temperature is not 1 (False: the division is skipped, exact)
 
 
 def sample(logits: torch.Tensor, b: Optional[SampleBatch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -86,12 +87,14 @@ def sample(logits: torch.Tensor, b: Optional[SampleBatch]) -> tuple[torch.Tensor
     """
     B, V = logits.shape
     logp = torch.log_softmax(logits, dim=-1)
-    proc = torch.zeros(B, dtype=torch.float32, device=logits.device)
+    proc = torch.zeros(B, dtype=torch.float32, device=logits.device) if b is None or b.rows is not None else None
     if b is None:
         tokens = logits.argmax(-1)
         return tokens, logp.gather(1, tokens[:, None]).squeeze(1), proc
     tokens = logits.argmax(-1) if b.rows is not None else None
-    scaled = (logits if b.rows is None else logits[b.rows]) / b.temperature[:, None]
+    scaled = logits if b.rows is None else logits[b.rows]
+    if b.tempered:
+        scaled = scaled / b.temperature[:, None]
     probs = torch.softmax(scaled, dim=-1)
     if b.truncate:  # top-k / top-p / min-p in sorted order, then back to vocabulary order
         srt, order = probs.sort(dim=-1, descending=True)

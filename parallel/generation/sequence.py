@@ -69,6 +69,12 @@ class RowFlags:
     sampled: list[int]  # rows (relative) that sample rather than take the argmax
     rows: Optional[torch.Tensor]  # the same as a tensor, None when all or none sample
     truncate: bool  # some sampled row has top-k / top-p / min-p
+    tempered: bool  # some sampled row's temperature is not 1
     lp_sampling: bool  # some row wants logprob_mode="sampling"
     stop_ids: bool  # some row has stop token ids
     stop_strings: list[int]  # rows with stop strings
+    # the rows' output lists, for appending a step's tokens, logprobs and versions with map()
+    # (a C loop) rather than a Python loop over the rows
+    outs: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]

@@ -178,8 +178,12 @@ class SteppingMixin:
         if self.vision is not None:  # VL rows always start at 0 (never chunked nor cached)
             rope, images = self.vision.prefill_inputs([(s.images, len(s.out)) for s in seqs], P,
                                                       self.decoder.cos, self.decoder.sin)
+        src = torch.tensor([j for _, j in joined], dtype=torch.long, device=dev)
+        # contiguous decode: the joined rows' slots straight from the prefill's keys and values
+        # when every job starts at 0, else read back from the pool below (_fill_slots)
+        fill = (self.cache, row0, src) if self.cache is not None and joined and ctx_rows is None else None
         logits = self.decoder.extend(ids.to(dev), torch.tensor(starts, device=dev), torch.tensor(lens, device=dev),
-                                     self.pool, write_rows, ctx_rows, rope, images)
+                                     self.pool, write_rows, ctx_rows, rope, images, fill)
         if self.decoder.routing is not None:
             record_prefill([s.routed for s in seqs], self.decoder.routing, lens, starts)
         self.prefill_tokens += sum(lens)
@@ -204,8 +208,7 @@ class SteppingMixin:
         if self.vision is not None:
             self._delta[row0:row0 + J] = torch.tensor([s.images.delta for s in new], dtype=torch.long)
         n_tok = torch.tensor([s.computed for s in new], dtype=torch.long, device=dev)
-        src = torch.tensor([j for _, j in joined], device=logits.device)
-        if self.cache is not None:
+        if self.cache is not None and fill is None:
             self._fill_slots(row0, seqs, src, int(n_tok.max()))
         self._pos[row0:row0 + J] = n_tok
         self._accept(row0, logits.index_select(0, src), finished, decode=False)

@@ -176,6 +176,37 @@ def test_mixed_batch_rows_equal_alone(ckpts):
     assert together[4].output_logprobs == [0.0] * 5  # greedy row, "sampling" mode: a point mass
 
 
+def test_rows_joining_and_leaving_every_step_equal_alone(ckpts):
+    """Every row samples, rows leave at different steps and new ones join while others run
+    (the per-step row flags are then derived from the cached ones, not rebuilt: a later
+    wave brings top-k and another temperature to a batch that had neither); each row's
+    tokens and logprobs still equal its run alone."""
+    path, _ = ckpts["qwen2"]
+    eng = _engine(path, max_prefill_tokens=24)
+    waves = [[SamplingParams(max_new_tokens=3 + 2 * i, temperature=1.0, seed=10 + i, ignore_eos=True)
+              for i in range(4)],
+             [SamplingParams(max_new_tokens=4 + i, temperature=0.7, top_k=5, seed=20 + i, ignore_eos=True)
+              for i in range(3)],
+             [SamplingParams(max_new_tokens=6, temperature=1.0, seed=30, n=3, ignore_eos=True)]]
+    prompts, results, wanted = {}, {}, {}
+    for w, wave in enumerate(waves):
+        for i, sp in enumerate(wave):
+            rid = f"w{w}-{i}"
+            prompts[rid] = PROMPTS[(w + i) % len(PROMPTS)]
+            for r in eng.add_request(rid, prompts[rid], sp):
+                wanted[r] = (rid, sp)
+        for r in eng.step() + eng.step():  # the next wave joins while this one runs
+            results[r.rid] = r
+    while eng.has_work():
+        results.update((r.rid, r) for r in eng.step())
+    assert set(results) == set(wanted)
+    for r, (rid, sp) in wanted.items():
+        index = int(r.rsplit("-", 1)[1]) if sp.n > 1 else 0
+        alone = eng.generate([prompts[rid]], dataclasses.replace(sp, n=1, seed=sp.seed + index))[0]
+        assert results[r].output_ids == alone.output_ids, r
+        assert results[r].output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
+
+
 def test_n_samples_and_seeds(ckpts):
     path, _ = ckpts["qwen2"]
     eng = _engine(path)

@@ -29,19 +29,18 @@ class RowsMixin:
         """Write the joining requests' settings into their slots' rows."""
         J, dev = len(joined), self._pos.device
         rows = slice(row0, row0 + J)
-        ps = [s.params for s in joined]
-        self._temp[rows] = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps])
-        self._top_k[rows] = torch.tensor([p.top_k for p in ps], dtype=torch.long)
-        self._top_p[rows] = torch.tensor([p.top_p for p in ps], dtype=torch.float32)
-        self._min_p[rows] = torch.tensor([p.min_p for p in ps], dtype=torch.float32)
-        self._lp_sampling[rows] = torch.tensor([p.logprob_mode != "raw" for p in ps])
-        words = [split_seed(s.seed) for s in joined]
-        self._seed_lo[rows] = torch.tensor([w[0] for w in words], dtype=torch.long)
-        self._seed_hi[rows] = torch.tensor([w[1] for w in words], dtype=torch.long)
-        self._draws[rows] = torch.tensor([len(s.out) for s in joined], dtype=torch.long)
-        self._budget[rows] = torch.tensor(
-            [min(p.max_new_tokens, self._max_context - len(s.prompt)) - len(s.out)
-             for s, p in zip(joined, ps)], dtype=torch.long)
+        # two tensors built from one nested list each (a tensor per setting cost ~0.1 ms more each)
+        floats, longs = [], []
+        for s in joined:
+            p, (lo, hi) = s.params, split_seed(s.seed)
+            floats.append((p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p))
+            longs.append((p.top_k, p.logprob_mode != "raw", lo, hi, len(s.out),
+                          min(p.max_new_tokens, self._max_context - len(s.prompt)) - len(s.out)))
+        f = torch.tensor(floats, dtype=torch.float32).to(dev).unbind(1)
+        n = torch.tensor(longs, dtype=torch.long).to(dev).unbind(1)
+        self._temp[rows], self._top_p[rows], self._min_p[rows] = f
+        self._top_k[rows], self._lp_sampling[rows] = n[0], n[1].bool()
+        self._seed_lo[rows], self._seed_hi[rows], self._draws[rows], self._budget[rows] = n[2:]
         width = max(len(s.stop_ids) for s in joined)
         if width > self._stops.shape[1]:
             with torch.inference_mode(False):  # engine state: a normal tensor, writable anywhere
@@ -62,6 +61,12 @@ class RowsMixin:
         set changes (a steady decode step then loops over no request in Python)."""
         key = (row0, B)
         flags = self._flags.get(key)
+        if flags is None and row0 == 0:  # the rows that joined last step after the ones before
+            for r0, b in list(self._flags):
+                head = self._flags.get((0, r0))
+                if r0 and r0 + b == B and head is not None:
+                    flags = self._flags[key] = head.then(self._flags[(r0, b)], r0, self._pos.device)
+                    break
         if flags is None:
             seqs = self._running[row0:row0 + B]
             sampled = [i for i, s in enumerate(seqs) if s.samples]
@@ -165,9 +170,10 @@ class RowsMixin:
         the moves are one indexed copy per tensor, whatever the number of rows."""
         if not finished:
             return []
-        self._flags.clear()
         n = len(self._running)
         n_new = n - len(finished)
+        flags = self._row_flags(0, n) if n_new else None
+        self._flags.clear()
         out = []
         for row in sorted(finished):
             seq = self._running[row]
@@ -186,4 +192,7 @@ class RowsMixin:
             for h, m in zip(holes, movers):
                 self._running[h] = self._running[m]
         del self._running[n_new:]
+        new_flags = None if flags is None else flags.without(n_new, holes, movers)
+        if new_flags is not None:
+            self._flags[(0, n_new)] = new_flags
         return out

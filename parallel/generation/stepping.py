@@ -149,9 +149,7 @@ class SteppingMixin:
             joined.append((seq, len(jobs) - 1))
             if not seq.out:
                 leaders[seq.request_rid] = len(jobs) - 1
-        if joined:
-            self._flags.clear()
-        return jobs, joined
+        return jobs, joined  # (rows join after the running ones: the cached RowFlags stay true)
 
     def _take_blocks(self, seq: Seq, end: int) -> bool:
         try:

@@ -41,6 +41,7 @@ class RowsMixin:
         self._temp[rows], self._top_p[rows], self._min_p[rows] = f
         self._top_k[rows], self._lp_sampling[rows] = n[0], n[1].bool()
         self._seed_lo[rows], self._seed_hi[rows], self._draws[rows], self._budget[rows] = n[2:]
+        self._hash_ahead(rows)
         width = max(len(s.stop_ids) for s in joined)
         if width > self._stops.shape[1]:
             with torch.inference_mode(False):  # engine state: a normal tensor, writable anywhere
@@ -53,7 +54,8 @@ class RowsMixin:
 
     def _slot_tensors(self) -> tuple[torch.Tensor, ...]:
         state = (self._last, self._pos, self._temp, self._top_k, self._top_p, self._min_p, self._lp_sampling,
-                 self._budget, self._stops, self._tables, self._seed_lo, self._seed_hi, self._draws)
+                 self._budget, self._stops, self._tables, self._seed_lo, self._seed_hi, self._draws,
+                 self._uniforms, self._ubase)
         return state if self._delta is None else state + (self._delta,)
 
     def _row_flags(self, row0: int, B: int) -> "RowFlags":
@@ -82,17 +84,35 @@ class RowsMixin:
             self._flags[key] = flags
         return flags
 
+    def _hash_ahead(self, rows: slice) -> None:
+        """Hash the next ``_uniforms.shape[1]`` uniforms of the streams of slots ``rows``, from
+        their current draw on (the values counter_uniform gives draw by draw, computed at once)."""
+        ahead = self._uniforms.shape[1]
+        draws = self._draws[rows]
+        t = draws[:, None] + torch.arange(ahead, device=draws.device)[None, :]
+        self._uniforms[rows] = counter_uniform(self._seed_lo[rows, None].expand_as(t),
+                                               self._seed_hi[rows, None].expand_as(t), t)
+        self._ubase[rows] = draws
+
+    def _uniform(self, rows: slice) -> torch.Tensor:
+        """This step's uniform of every slot in ``rows`` (draw ``_draws``), from the hashed-ahead table."""
+        col = self._draws[rows] - self._ubase[rows]
+        if int(col.max()) >= self._uniforms.shape[1]:  # some row used its table up: refill them all
+            self._hash_ahead(rows)
+            col = self._draws[rows] - self._ubase[rows]
+        return self._uniforms[rows].gather(1, col[:, None]).squeeze(1)
+
     def _sample_batch(self, row0: int, seqs: list[Seq], flags: "RowFlags") -> Optional[SampleBatch]:
         if not flags.sampled:
             return None
         sl = slice(row0, row0 + len(seqs))
-        uniform = counter_uniform(self._seed_lo[sl], self._seed_hi[sl], self._draws[sl])
+        uniform = self._uniform(sl)
         temp, top_k, top_p, min_p = self._temp[sl], self._top_k[sl], self._top_p[sl], self._min_p[sl]
         if flags.rows is not None:
             temp, top_k, top_p, min_p = temp[flags.rows], top_k[flags.rows], top_p[flags.rows], min_p[flags.rows]
             uniform = uniform[flags.rows]
         return SampleBatch(flags.rows, temp, top_k, top_p, min_p, uniform, truncate=flags.truncate,
-                           tempered=flags.tempered)
+                           tempered=flags.tempered, sampling_logprobs=flags.lp_sampling)
 
     def _accept(self, row0: int, logits: torch.Tensor, finished: dict[int, dict[str, Any]],
                 decode: bool) -> None:

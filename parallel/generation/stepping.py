@@ -166,10 +166,7 @@ class SteppingMixin:
         starts, ends = [j[1] for j in jobs], [j[2] for j in jobs]
         lens = [b - a for a, b in zip(starts, ends)]
         P, dev = max(lens), self._pos.device
-        ids = torch.zeros(len(jobs), P, dtype=torch.long)
-        for i, (s, a, b) in enumerate(jobs):
-            toks = s.tokens()
-            ids[i, : b - a] = torch.tensor(toks[a:b], dtype=torch.long)
+        ids = torch.tensor([s.tokens()[a:b] + [0] * (P - b + a) for s, a, b in jobs], dtype=torch.long)
         write_rows = self.pager.rows(seqs, starts, ends, P)
         ctx_rows = None if not any(starts) else self.pager.rows(seqs, [0] * len(jobs), ends, max(ends))
         rope = images = None

@@ -183,8 +183,8 @@ def test_rows_joining_and_leaving_every_step_equal_alone(ckpts):
     tokens and logprobs still equal its run alone."""
     path, _ = ckpts["qwen2"]
     eng = _engine(path, max_prefill_tokens=24)
-    waves = [[SamplingParams(max_new_tokens=3 + 2 * i, temperature=1.0, seed=10 + i, ignore_eos=True)
-              for i in range(4)],
+    waves = [[SamplingParams(max_new_tokens=3 + 2 * i, temperature=1.0, seed=10 * i, ignore_eos=True, n=1 + (i == 0))
+              for i in range(4)],  # n = 2, 1, 1, 1: the samples' slots filled by index, not by repeat
              [SamplingParams(max_new_tokens=4 + i, temperature=0.7, top_k=5, seed=20 + i, ignore_eos=True)
               for i in range(3)],
              [SamplingParams(max_new_tokens=6, temperature=1.0, seed=30, n=3, ignore_eos=True)]]

@@ -218,7 +218,7 @@ class Decoder:
                write_rows: torch.Tensor, ctx_rows: Optional[torch.Tensor] = None,
                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                images: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
-               fill: Optional[tuple[KVCache, int, torch.Tensor]] = None) -> torch.Tensor:
+               fill: Optional[tuple[KVCache, int, torch.Tensor | int]] = None) -> torch.Tensor:
         """Prefill into the paged pool: row ``j`` runs its tokens ``starts[j] .. starts[j]+lens[j]-1``
         (``ids [J, P]``, right-padded), writing their keys and values to pool rows ``write_rows
         [J, P]`` (the scratch row for padding), and attending to its earlier tokens already in the
@@ -229,7 +229,7 @@ class Decoder:
         ``fill = (cache, slot0, src)`` (contiguous decode, rows starting at 0 only): also write
         the keys and values of job ``src[i]`` into slot ``slot0 + i`` of ``cache``, straight from
         the layer's output (a group's n slots from its one prefilled prompt), instead of reading
-        them back from the pool afterwards."""
+        them back from the pool afterwards; ``src`` an int ``n``: each job into ``n`` slots in turn."""
         J, P = ids.shape
         ng, hd = self.spec.local_groups, self.spec.head_dim
         positions = (starts[:, None] + self._positions[:P][None, :]).clamp_(max=self._positions.shape[0] - 1)
@@ -243,7 +243,11 @@ class Decoder:
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.write(li, flat_rows, k.transpose(1, 2).reshape(J * P, ng, hd), v.transpose(1, 2).reshape(J * P, ng, hd))
             if fill is not None:
-                fill[0].write_prefix(li, fill[1], k.index_select(0, fill[2]), v.index_select(0, fill[2]))
+                cache, slot0, src = fill
+                if isinstance(src, int):
+                    cache.write_prefix_repeated(li, slot0, k, v, src)
+                else:
+                    cache.write_prefix(li, slot0, k.index_select(0, src), v.index_select(0, src))
             if ctx_rows is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                       enable_gqa=self.rep > 1)

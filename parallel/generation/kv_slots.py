@@ -87,6 +87,16 @@ class KVCache:
         self.k[layer, slot0:slot0 + J, :, :P] = k
         self.v[layer, slot0:slot0 + J, :, :P] = v
 
+    def write_prefix_repeated(self, layer: int, slot0: int, k: torch.Tensor, v: torch.Tensor, repeat: int) -> None:
+        """Prefill of a request's n samples: job ``j``'s ``k``/``v`` ``[J, groups, P, head_dim]``
+        into slots ``slot0 + j*repeat .. slot0 + (j+1)*repeat - 1``, as one broadcast copy (no
+        ``[J*repeat, ...]`` intermediate: ~2x cheaper, and no fresh memory to fault in)."""
+        J, G, P, D = k.shape
+        self.reserve(P, slot0)
+        rows = slice(slot0, slot0 + J * repeat)
+        self.k[layer, rows, :, :P].view(J, repeat, G, P, D).copy_(k[:, None])
+        self.v[layer, rows, :, :P].view(J, repeat, G, P, D).copy_(v[:, None])
+
     def decode_index(self, pos: torch.Tensor) -> torch.Tensor:
         """Flat write rows ``[B*groups]`` for one new position per row (rows = slots ``0..B-1``),
         computed once per step and shared by every layer and by keys and values."""

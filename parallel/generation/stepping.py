@@ -173,10 +173,12 @@ class SteppingMixin:
         if self.vision is not None:  # VL rows always start at 0 (never chunked nor cached)
             rope, images = self.vision.prefill_inputs([(s.images, len(s.out)) for s in seqs], P,
                                                       self.decoder.cos, self.decoder.sin)
-        src = torch.tensor([j for _, j in joined], dtype=torch.long, device=dev)
-        # contiguous decode: the joined rows' slots straight from the prefill's keys and values
-        # when every job starts at 0, else read back from the pool below (_fill_slots)
-        fill = (self.cache, row0, src) if self.cache is not None and joined and ctx_rows is None else None
+        sources = [j for _, j in joined]
+        src = torch.tensor(sources, dtype=torch.long, device=dev)
+        fill = None  # contiguous decode: the joined rows' slots straight from the prefill's keys and
+        if self.cache is not None and joined and ctx_rows is None:  # values, else from the pool (_fill_slots)
+            n = len(sources) // len(jobs)
+            fill = (self.cache, row0, n if sources == [i // n for i in range(n * len(jobs))] else src)
         logits = self.decoder.extend(ids.to(dev), torch.tensor(starts, device=dev), torch.tensor(lens, device=dev),
                                      self.pool, write_rows, ctx_rows, rope, images, fill)
         if self.decoder.routing is not None:

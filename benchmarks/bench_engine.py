@@ -40,7 +40,7 @@ import random
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -101,6 +101,24 @@ def build_model(shape: str, context: int, vocab: int, dev: torch.device, dtype: 
     return path, model
 
 
+def in_blocks(sides: list[Callable[[], Any]], repeats: int, blocks: int = 3) -> list[list[Any]]:
+    """Each side's results of ``repeats`` runs, made in up to ``blocks`` blocks of back-to-back runs,
+    the sides taking turns block by block (host drift still spread over both).
+
+    Why blocks rather than alternating single runs: on the CI VM the first run after the other
+    side's work pays a fixed ~10 ms of cold caches and TLBs (measured: an engine rl run right
+    after a transformers call took 97-142 ms, 84-117 ms back to back), which weighs 12% on an
+    80 ms engine run and 3% on a 300 ms transformers one. A generation server also runs rollouts
+    back to back. The fastest run of each side is what the parts report."""
+    blocks = max(1, min(blocks, repeats))
+    out: list[list[Any]] = [[] for _ in sides]
+    for b in range(blocks):
+        n = repeats // blocks + (b < repeats % blocks)
+        for i, side in enumerate(sides):
+            out[i] += [side() for _ in range(n)]
+    return out
+
+
 def load_engine(path: str, dev: torch.device, dtype: torch.dtype, **kw: Any) -> Any:
     from parallel.generation import GenerationEngine
 
@@ -146,22 +164,22 @@ def part_throughput(a: argparse.Namespace, path: str, model: torch.nn.Module, de
 
     run_engine()  # warm-up: allocations, first-call dispatch, any CUDA graph captures (all batch sizes)
     hf_generate(model, prompts[:4], 4, dev)
-    runs = [(run_engine(), run_hf()) for _ in range(a.repeats)]  # alternating: host drift hits both sides
-    t_en, out_en = min(r[0] for r in runs)
-    t_hf, out_hf = min(r[1] for r in runs)
+    runs_en, runs_hf = in_blocks([run_engine, run_hf], a.repeats)
+    t_en, out_en = min(runs_en)
+    t_hf, out_hf = min(runs_hf)
     same = sum(x == y for x, y in zip(out_en, out_hf))
     prefix = sum(next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), len(x)) / len(x)
                  for x, y in zip(out_en, out_hf)) / len(lens)
     eager = f", enforce_eager={engine.config.enforce_eager}" if has_field("enforce_eager") else ""
     print(f"\n== throughput: {a.num_seqs} sequences, prompts {a.prompt_len[0]}..{a.prompt_len[1]}, outputs "
           f"{a.output_len[0]}..{a.output_len[1]} ({total} output tokens), greedy, ignore_eos, "
-          f"best of {a.repeats}{eager}")
+          f"best of {a.repeats} in blocks{eager}")
     print(f"transformers generate: {total / t_hf:10.0f} tokens/s ({t_hf:.3f} s; one batched left-padded call of "
           f"{max_out} new tokens = {a.num_seqs * max_out} computed, credited each sequence's own {total})")
     print(f"realflow engine:       {total / t_en:10.0f} tokens/s ({t_en:.3f} s)")
     print(f"identical greedy outputs: {same}/{a.num_seqs} (mean matching prefix {100 * prefix:.1f}% of each output"
           f"{'; bf16: the two sides round differently' if dtype != torch.float32 else ''})")
-    goal = " (goal >= 3x on the default model)" if dev.type == "cpu" and a.shape == "default" else ""
+    goal = " (the issue's 3x goal is the rl part's: the default RL workload)" if dev.type == "cpu" else ""
     print(f"ratio engine / transformers: {t_hf / t_en:.2f}x{goal}")
 
 
@@ -292,6 +310,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, nargs=2, metavar=("LO", "HI"), help="throughput (default by shape)")
     ap.add_argument("--output-len", type=int, nargs=2, metavar=("LO", "HI"), help="throughput (default by shape)")
     ap.add_argument("--repeats", type=int, help="throughput: best of N (default 5 on CPU, 1 on CUDA)")
+    ap.add_argument("--rl-repeats", type=int, help="rl: best of N runs each side (default 12)")
     ap.add_argument("--groups", type=int, default=16, help="groups: prompts")
     ap.add_argument("--samples", type=int, default=8, help="groups: samples per prompt (n)")
     ap.add_argument("--response-len", type=int, default=32, help="groups: tokens per sample")

@@ -170,12 +170,17 @@ class Decoder:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the HF vocab (padding rows cut) from final hidden states [N, h]."""
         h = _rms(h, self.w.final_norm, self.eps)
-        out = _linear(h, self.w.output, self.w.output_t)
+        V = self.spec.arch.vocab_size
+        if self.spec.tp_size == 1:  # the padding rows of the LM head not computed: a contiguous [N, V]
+            w_t = None if self.w.output_t is None else self.w.output_t[:, :V]  # (~30% cheaper to sample from)
+            out = _linear(h, self.w.output[:V], w_t)
+        else:
+            out = _linear(h, self.w.output, self.w.output_t)
         if self.spec.tp_size > 1:
             parts = [torch.empty_like(out) for _ in range(self.spec.tp_size)]
             dist.all_gather(parts, out.contiguous(), group=self.tp_group)
             out = torch.cat(parts, -1)
-        out = out[..., : self.spec.arch.vocab_size].float()
+        out = out[..., :V].float()
         if self.probe is not None:
             self.probe("final_norm", -1, h)
             self.probe("logits", -1, out)

@@ -29,9 +29,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parallel.generation.kv_slots import KVCache
+from parallel.generation.layer_ops import apply_rope, linear, linear_2d, rms_norm
 from parallel.generation.moe import moe_forward, routing_dtype
 from parallel.generation.paged_cache import PagedKVCache
-from parallel.generation.weights import DecoderWeights, ModelSpec
+from parallel.generation.weights import DecoderWeights
 from parallel.generation.workspace import Workspace, workspace_for
 from parallel.model_config import rope_inv_freq
 
@@ -43,71 +44,6 @@ Probe = Callable[[str, int, torch.Tensor], None]
 
 #: contiguous decode attends over a multiple of this many positions (see :meth:`Decoder.decode`)
 _ATTEND_MULTIPLE = 16
-
-_WIDTHS: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _width(n: int, device: torch.device) -> torch.Tensor:
-    """``n`` as a 0-dim fp32 tensor (cached): dividing by a tensor skips the scalar
-    wrapping and casts that a Python number costs each op on CPU."""
-    t = _WIDTHS.get((n, device))
-    if t is None:
-        t = _WIDTHS[(n, device)] = torch.tensor(float(n), dtype=torch.float32, device=device)
-    return t
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: torch.Tensor | float,
-         ws: Optional[Workspace] = None, name: str = "") -> torch.Tensor:
-    """transformers' RMSNorm, bit for bit: normalise in fp32, cast back, scale.
-
-    Written out rather than ``F.rms_norm`` (on CPU that composite upcasts and copies, and
-    costs about twice as much inside the decode loop); ``sum / n`` is exactly what
-    ``mean`` computes, and ``x * x`` exactly ``pow(2)``.  ``eps`` may be a 0-dim fp32
-    tensor (the decoder passes one, for the same reason as :func:`_width`).  With a
-    workspace (2-d fp32 ``x`` only) the result is buffer ``name`` (``t * w`` is ``w * t``).
-    """
-    xf = x if x.dtype == torch.float32 else x.float()
-    if ws is not None and x.dtype == torch.float32 and x.dim() == 2:
-        sq = torch.mul(xf, xf, out=ws.get("rms_sq", *x.shape))
-        var = sq.sum(-1, keepdim=True).div_(_width(x.shape[-1], x.device)).add_(eps).rsqrt_()
-        return torch.mul(xf, var, out=ws.get(name, *x.shape)).mul_(w)
-    var = (xf * xf).sum(-1, keepdim=True).div_(_width(x.shape[-1], x.device)).add_(eps).rsqrt_()
-    if x.dtype == torch.float32:
-        return w * (xf * var)
-    return w * (xf * var).to(x.dtype)
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, w_t: Optional[torch.Tensor],
-            b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, w, b)``, through the contiguous ``[in, out]`` copy when there is one."""
-    if w_t is None:
-        return F.linear(x, w, b)
-    if x.dim() != 2:
-        return _linear(x.reshape(-1, x.shape[-1]), w, w_t, b).view(*x.shape[:-1], w_t.shape[1])
-    return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
-
-
-def _linear_2d(x: torch.Tensor, w: torch.Tensor, w_t: Optional[torch.Tensor], b: Optional[torch.Tensor],
-               ws: Optional[Workspace], name: str) -> torch.Tensor:
-    """:func:`_linear` of a 2-d ``x``, into workspace buffer ``name`` when there is one."""
-    if ws is None or w_t is None:
-        return _linear(x, w, w_t, b)
-    out = ws.get(name, x.shape[0], w_t.shape[1])
-    return torch.mm(x, w_t, out=out) if b is None else torch.addmm(b, x, w_t, out=out)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-          out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """transformers' ``x * cos + rotate_half(x) * sin``, bit for bit, with ``sin_signed =
-    [-sin_1, sin_2]`` (halves of the last dim): ``rotate_half(x) * sin`` is ``[x_2, x_1] *
-    sin_signed`` exactly (a sign flip), added half by half in place, so no rotated copy is
-    made (``torch.roll`` is a ``cat`` on CPU: ~80 us a layer at 512 rows)."""
-    half = x.shape[-1] // 2
-    y = torch.mul(x, cos, out=out)
-    y[..., :half].addcmul_(x[..., half:], sin_signed[..., :half])
-    y[..., half:].addcmul_(x[..., :half], sin_signed[..., half:])
-    return y
-
 
 class Decoder:
     """Prefill (padded prompts) and decode (one token per row) against a :class:`KVCache`."""
@@ -129,7 +65,7 @@ class Decoder:
         self.cos_sin = torch.stack((self.cos, self.sin_signed), 1)  # [max_len, 2, hd]: one gather
         self.vocab_lo = s.tp_rank * s.local_vocab
         self._positions = torch.arange(max_len, device=weights.device)
-        self.eps = torch.tensor(s.eps, dtype=torch.float32, device=weights.device)  # see _rms
+        self.eps = torch.tensor(s.eps, dtype=torch.float32, device=weights.device)  # see layer_ops.rms_norm
         self._neg_inf = torch.tensor(float("-inf"), device=weights.device)  # decode's mask values
         self._zero = torch.tensor(0.0, device=weights.device)
         moe = s.arch.moe
@@ -169,13 +105,13 @@ class Decoder:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the HF vocab (padding rows cut) from final hidden states [N, h]."""
-        h = _rms(h, self.w.final_norm, self.eps)
+        h = rms_norm(h, self.w.final_norm, self.eps)
         V = self.spec.arch.vocab_size
         if self.spec.tp_size == 1:  # the padding rows of the LM head not computed: a contiguous [N, V]
             w_t = None if self.w.output_t is None else self.w.output_t[:, :V]  # (~30% cheaper to sample from)
-            out = _linear(h, self.w.output[:V], w_t)
+            out = linear(h, self.w.output[:V], w_t)
         else:
-            out = _linear(h, self.w.output, self.w.output_t)
+            out = linear(h, self.w.output, self.w.output_t)
         if self.spec.tp_size > 1:
             parts = [torch.empty_like(out) for _ in range(self.spec.tp_size)]
             dist.all_gather(parts, out.contiguous(), group=self.tp_group)
@@ -189,7 +125,7 @@ class Decoder:
     def _moe(self, layer, li: int, x: torch.Tensor, routing: torch.Tensor,
              rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """MoE MLP of ``x [..., h]``; writes layer ``li``'s expert ids into ``routing [N, layers, k]``."""
-        h = _rms(x, layer.ln2, self.eps)
+        h = rms_norm(x, layer.ln2, self.eps)
         out, ids = moe_forward(h.reshape(-1, h.shape[-1]), layer.moe, self.moe.topk, self.moe.norm_topk_prob,
                                self._all_reduce, rows)
         routing[:, li] = ids
@@ -276,7 +212,7 @@ class Decoder:
         if images is not None:
             rows_j, rows_p, feats = images
             x[rows_j, rows_p] = feats.to(x.dtype)
-        # sin as sin_signed (see _rope)
+        # sin as sin_signed (see layer_ops.apply_rope)
         if rope is not None:
             cos = rope[0].view(J, P, 1, 1, hd)
             half = hd // 2
@@ -299,28 +235,28 @@ class Decoder:
         x2 = x.view(N, -1)
         ffn = s.ffn // s.tp_size
         for li, layer in enumerate(self.w.layers):
-            h = _rms(x2, layer.ln1, self.eps, ws, "h")
-            qkv = _linear_2d(h, layer.qkv_w, layer.qkv_t, layer.qkv_b, ws, "qkv").view(J, P, ng, rep + 2, hd)
+            h = rms_norm(x2, layer.ln1, self.eps, ws, "h")
+            qkv = linear_2d(h, layer.qkv_w, layer.qkv_t, layer.qkv_b, ws, "qkv").view(J, P, ng, rep + 2, hd)
             if layer.q_norm is None:
                 qk = qkv[:, :, :, : rep + 1]
             else:
-                qk = torch.cat((_rms(qkv[:, :, :, :rep], layer.q_norm, self.eps),
-                                _rms(qkv[:, :, :, rep:rep + 1], layer.k_norm, self.eps)), 3)
-            qk = _rope(qk, cos, sin)  # [J, P, ng, rep+1, hd]
+                qk = torch.cat((rms_norm(qkv[:, :, :, :rep], layer.q_norm, self.eps),
+                                rms_norm(qkv[:, :, :, rep:rep + 1], layer.k_norm, self.eps)), 3)
+            qk = apply_rope(qk, cos, sin)  # [J, P, ng, rep+1, hd]
             q = qk[:, :, :, :rep].reshape(J, P, s.local_heads, hd).transpose(1, 2)  # [J, nh, P, hd]
             k, v = qk[:, :, :, rep].transpose(1, 2), qkv[:, :, :, rep + 1].transpose(1, 2)  # [J, ng, P, hd]
             o = attend(li, q, k, v)
             o = o.transpose(1, 2).reshape(N, s.local_heads * hd)
-            x2.add_(self._all_reduce(_linear_2d(o, layer.proj_w, layer.proj_t, None, ws, "proj")))
+            x2.add_(self._all_reduce(linear_2d(o, layer.proj_w, layer.proj_t, None, ws, "proj")))
             if probe is not None:
                 probe("attention", li, x)
             if routing is not None:
                 x2.add_(self._moe(layer, li, x2, routing, rows))
             else:
-                gate_up = _linear_2d(_rms(x2, layer.ln2, self.eps, ws, "h"), layer.fc1_w, layer.fc1_t, None,
+                gate_up = linear_2d(rms_norm(x2, layer.ln2, self.eps, ws, "h"), layer.fc1_w, layer.fc1_t, None,
                                      ws, "fc1")
                 act = F.silu(gate_up[:, :ffn], inplace=True).mul_(gate_up[:, ffn:])
-                x2.add_(self._all_reduce(_linear_2d(act, layer.fc2_w, layer.fc2_t, None, ws, "fc2")))
+                x2.add_(self._all_reduce(linear_2d(act, layer.fc2_w, layer.fc2_t, None, ws, "fc2")))
             if probe is not None:
                 probe("mlp", li, x)
         if routing is not None:
@@ -389,14 +325,14 @@ class Decoder:
             probe("embedding", -1, x)
         ws = self.ws
         for li, layer in enumerate(self.w.layers):
-            h = _rms(x, layer.ln1, self.eps, ws, "h")
-            qkv = _linear_2d(h, layer.qkv_w, layer.qkv_t, layer.qkv_b, ws, "qkv").view(B, ng, rep + 2, hd)
+            h = rms_norm(x, layer.ln1, self.eps, ws, "h")
+            qkv = linear_2d(h, layer.qkv_w, layer.qkv_t, layer.qkv_b, ws, "qkv").view(B, ng, rep + 2, hd)
             if layer.q_norm is None:
                 qk = qkv[:, :, : rep + 1]
             else:
-                qk = torch.cat((_rms(qkv[:, :, :rep], layer.q_norm, self.eps),
-                                _rms(qkv[:, :, rep:rep + 1], layer.k_norm, self.eps)), 2)
-            qk = _rope(qk, cos, sin, None if ws is None else ws.get("rope", B, ng, rep + 1, hd))
+                qk = torch.cat((rms_norm(qkv[:, :, :rep], layer.q_norm, self.eps),
+                                rms_norm(qkv[:, :, rep:rep + 1], layer.k_norm, self.eps)), 2)
+            qk = apply_rope(qk, cos, sin, None if ws is None else ws.get("rope", B, ng, rep + 1, hd))
             if pool is not None:
                 pool.write(li, pool_rows, qk[:, :, rep], qkv[:, :, rep + 1])
             if cache is not None:
@@ -414,17 +350,17 @@ class Decoder:
                                        alpha=self.scale)  # [B*ng, rep, L]
                 o = torch.bmm(torch.softmax(scores, dim=-1), vals,
                               out=None if ws is None else ws.get("attn", B * ng, rep, hd))  # [B*ng, rep, hd]
-            x.add_(self._all_reduce(_linear_2d(o.view(B, ng * rep * hd), layer.proj_w, layer.proj_t, None,
+            x.add_(self._all_reduce(linear_2d(o.view(B, ng * rep * hd), layer.proj_w, layer.proj_t, None,
                                                ws, "proj")))
             if probe is not None:
                 probe("attention", li, x)
             if routing is not None:
                 x.add_(self._moe(layer, li, x, routing))
             else:  # silu(gate) * up in place in the fc1 output: fc2 reads it through a strided view
-                gate_up = _linear_2d(_rms(x, layer.ln2, self.eps, ws, "h"), layer.fc1_w, layer.fc1_t, None,
+                gate_up = linear_2d(rms_norm(x, layer.ln2, self.eps, ws, "h"), layer.fc1_w, layer.fc1_t, None,
                                      ws, "fc1")
                 act = F.silu(gate_up[:, :ffn], inplace=True).mul_(gate_up[:, ffn:])
-                x.add_(self._all_reduce(_linear_2d(act, layer.fc2_w, layer.fc2_t, None, ws, "fc2")))
+                x.add_(self._all_reduce(linear_2d(act, layer.fc2_w, layer.fc2_t, None, ws, "fc2")))
             if probe is not None:
                 probe("mlp", li, x)
         if routing is not None:

@@ -58,6 +58,23 @@ def test_greedy_equals_transformers(ckpts, block_size, decode, sharing):
     all_free(eng)
 
 
+@pytest.mark.parametrize("decode", ["contiguous", "paged", "gather"])
+def test_context_that_ends_inside_a_block(ckpts, decode):
+    """max_model_len 40 with 16-token blocks: the last block runs past the context. Rows decode to
+    the context's end, and a prompt cached in whole blocks is extended into its partial last
+    block; the outputs equal transformers' (this gather path failed on a shape error before)."""
+    path, model = ckpts["qwen2"]
+    eng = _engine(path, max_model_len=40, block_size=16, decode_attention=decode)
+    prompt = list(range(10, 27))  # 17 tokens: one whole block, then one token in the next
+    first = eng.generate([prompt], greedy(100))[0]
+    assert first.finish_reason == {"type": "length", "length": 40 - len(prompt)}
+    assert first.output_ids == hf_greedy(model, prompt, len(first.output_ids))
+    again = eng.generate([prompt + [5]], greedy(100))[0]  # its first block from the prefix cache
+    assert eng.stats()["prefix_cache_hits"] >= 1
+    assert again.output_ids == hf_greedy(model, prompt + [5], len(again.output_ids))
+    all_free(eng)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_family_paged_chunked_and_shared(ckpts, family):
     """Each model family on the gather path with small blocks, chunked prefill and a shared group."""

@@ -156,16 +156,17 @@ class Decoder:
 
     @torch.inference_mode()
     def extend(self, ids: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, pool: PagedKVCache,
-               write_rows: torch.Tensor, ctx_rows: Optional[torch.Tensor] = None,
+               write_rows: torch.Tensor, ctx_tables: Optional[torch.Tensor] = None,
                rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                images: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
                fill: Optional[tuple[KVCache, int, torch.Tensor | int]] = None) -> torch.Tensor:
         """Prefill into the paged pool: row ``j`` runs its tokens ``starts[j] .. starts[j]+lens[j]-1``
         (``ids [J, P]``, right-padded), writing their keys and values to pool rows ``write_rows
         [J, P]`` (the scratch row for padding), and attending to its earlier tokens already in the
-        pool -- a cached or shared prefix, the previous chunks of a chunked prefill -- through
-        ``ctx_rows [J, C]`` (tokens ``0..C-1``; None when every row starts at 0). Logits [J, V] at
-        each row's last new token.
+        pool -- a cached or shared prefix, the previous chunks of a chunked prefill -- through the
+        block tables ``ctx_tables [J, W]`` (whole blocks, read at once: tokens ``0..W*bs-1``, those
+        at or past a row's own position masked; None when every row starts at 0). Logits [J, V]
+        at each row's last new token.
 
         ``fill = (cache, slot0, src)`` (contiguous decode, rows starting at 0 only): also write
         the keys and values of job ``src[i]`` into slot ``slot0 + i`` of ``cache``, straight from
@@ -175,10 +176,12 @@ class Decoder:
         ng, hd = self.spec.local_groups, self.spec.head_dim
         positions = (starts[:, None] + self._positions[:P][None, :]).clamp_(max=self._positions.shape[0] - 1)
         mask = None
-        if fill is not None and ctx_rows is not None:
-            raise ValueError("extend: fill writes slots from rows that start at 0 (ctx_rows must be None)")
-        if ctx_rows is not None:  # key t is visible to the query at position p when t <= p
-            mask = (self._positions[: ctx_rows.shape[1]][None, None, :] <= positions[:, :, None])[:, None]
+        if fill is not None and ctx_tables is not None:
+            raise ValueError("extend: fill writes slots from rows that start at 0 (ctx_tables must be None)")
+        C = 0
+        if ctx_tables is not None:  # key t is visible to the query at position p when t <= p
+            C = min(ctx_tables.shape[1] * pool.block_size, self._positions.shape[0])
+            mask = (self._positions[:C][None, None, :] <= positions[:, :, None])[:, None]
         flat_rows = write_rows.reshape(-1)
 
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -189,14 +192,14 @@ class Decoder:
                     cache.write_prefix_repeated(li, slot0, k, v, src)
                 else:
                     cache.write_prefix(li, slot0, k.index_select(0, src), v.index_select(0, src))
-            if ctx_rows is None:
+            if ctx_tables is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                       enable_gqa=self.rep > 1)
-            k_all, v_all = pool.read(li, ctx_rows)  # [J, C, ng, hd]
-            return F.scaled_dot_product_attention(q, k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask,
-                                                  scale=self.scale, enable_gqa=self.rep > 1)
+            k_all, v_all = pool.read_blocks(li, ctx_tables)  # [J, W*bs, ng, hd]
+            return F.scaled_dot_product_attention(q, k_all[:, :C].transpose(1, 2), v_all[:, :C].transpose(1, 2),
+                                                  attn_mask=mask, scale=self.scale, enable_gqa=self.rep > 1)
 
-        return self._rows_forward(ids, lens, None if ctx_rows is None else positions, attend, rope, images)
+        return self._rows_forward(ids, lens, None if ctx_tables is None else positions, attend, rope, images)
 
     def _rows_forward(self, ids: torch.Tensor, lens: torch.Tensor, positions: Optional[torch.Tensor],
                       attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
@@ -308,10 +311,9 @@ class Decoder:
             values = cache.v[:, :B, :, :L].flatten(1, 2)
         else:
             kernel = self.paged_kernel
-            L = tables.shape[1] * pool.block_size
-            if kernel is None:
-                ctx_rows = pool.rows_at(tables, self._positions[:L])
-            else:
+            # the blocks' positions, up to the context (a last block may run past max_len)
+            L = min(tables.shape[1] * pool.block_size, self._positions.shape[0])
+            if kernel is not None:
                 # int32 once per step, not per layer (what the kernel indexes with)
                 lens, tables = (pos + 1).to(torch.int32), tables.to(torch.int32)
         # additive mask for positions beyond each row's own, one row per query: [B*ng, rep, L]
@@ -340,9 +342,9 @@ class Decoder:
                 cache.v_flat[li].index_copy_(0, idx, qkv[:, :, rep + 1].reshape(B * ng, hd))
                 k_t, vals = keys[li].transpose(1, 2), values[li]
             elif kernel is None:  # the gather path: [B, L, ng, hd] -> [B*ng, hd, L] and [B*ng, L, hd]
-                k_all, v_all = pool.read(li, ctx_rows)
-                k_t = k_all.permute(0, 2, 3, 1).reshape(B * ng, hd, L)
-                vals = v_all.transpose(1, 2).reshape(B * ng, L, hd)
+                k_all, v_all = pool.read_blocks(li, tables)  # whole blocks, one index each
+                k_t = k_all[:, :L].permute(0, 2, 3, 1).reshape(B * ng, hd, L)
+                vals = v_all[:, :L].transpose(1, 2).reshape(B * ng, L, hd)
             if cache is None and kernel is not None:  # in place over the block tables
                 o = kernel(qk[:, :, :rep], pool.k[li], pool.v[li], tables, lens, self.scale, pool.block_size)
             else:

@@ -88,6 +88,19 @@ class PagedKVCache:
         shape = (*rows.shape, self.k.shape[2], self.k.shape[3])
         return self.k[layer].index_select(0, flat).view(shape), self.v[layer].index_select(0, flat).view(shape)
 
+    def read_blocks(self, layer: int, tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of whole blocks ``tables [J, W]``: ``[J, W * block_size, groups,
+        head_dim]`` each (token ``t`` of row ``j`` at ``[j, t]``). One index per block, not per
+        token: ~``block_size`` x fewer, contiguous, copies than :meth:`read`."""
+        bs, J, W = self.block_size, *tables.shape
+        blocks = self.k.shape[1] // bs  # (the scratch row is past the last whole block)
+        flat = tables.reshape(-1)
+        out = []
+        for t in (self.k[layer], self.v[layer]):
+            whole = t[: blocks * bs].view(blocks, bs, *t.shape[1:])
+            out.append(whole.index_select(0, flat).view(J, W * bs, *t.shape[1:]))
+        return out[0], out[1]
+
     def copy_block(self, src: int, dst: int) -> None:
         """Block ``src``'s contents into block ``dst``, every layer (copy-on-write)."""
         bs = self.block_size

@@ -168,19 +168,26 @@ class SteppingMixin:
         P, dev = max(lens), self._pos.device
         ids = torch.tensor([s.tokens()[a:b] + [0] * (P - b + a) for s, a, b in jobs], dtype=torch.long)
         write_rows = self.pager.rows(seqs, starts, ends, P)
-        ctx_rows = None if not any(starts) else self.pager.rows(seqs, [0] * len(jobs), ends, max(ends))
+        ctx_tables = None  # the blocks of tokens 0..max(ends)-1 when some row starts past 0
+        if any(starts):
+            W = -(-max(ends) // self.pager.bs)
+            ctx_tables = torch.tensor([s.blocks[:W] + [0] * (W - len(s.blocks[:W])) for s in seqs], dtype=torch.long,
+                                      device=self._pos.device)
         rope = images = None
         if self.vision is not None:  # VL rows always start at 0 (never chunked nor cached)
             rope, images = self.vision.prefill_inputs([(s.images, len(s.out)) for s in seqs], P,
                                                       self.decoder.cos, self.decoder.sin)
         sources = [j for _, j in joined]
         src = torch.tensor(sources, dtype=torch.long, device=dev)
+        # the job whose keys fill each joined row's slot: `n` when each job fills the next n slots
+        # (one broadcast copy), else by index
+        n = len(sources) // len(jobs)
+        slot_src: torch.Tensor | int = n if n and sources == [i // n for i in range(n * len(jobs))] else src
         fill = None  # contiguous decode: the joined rows' slots straight from the prefill's keys and
-        if self.cache is not None and joined and ctx_rows is None:  # values, else from the pool (_fill_slots)
-            n = len(sources) // len(jobs)
-            fill = (self.cache, row0, n if sources == [i // n for i in range(n * len(jobs))] else src)
+        if self.cache is not None and joined and ctx_tables is None:  # values, else from the pool (_fill_slots)
+            fill = (self.cache, row0, slot_src)
         logits = self.decoder.extend(ids.to(dev), torch.tensor(starts, device=dev), torch.tensor(lens, device=dev),
-                                     self.pool, write_rows, ctx_rows, rope, images, fill)
+                                     self.pool, write_rows, ctx_tables, rope, images, fill)
         if self.decoder.routing is not None:
             record_prefill([s.routed for s in seqs], self.decoder.routing, lens, starts)
         self.prefill_tokens += sum(lens)
@@ -206,23 +213,26 @@ class SteppingMixin:
             self._delta[row0:row0 + J] = torch.tensor([s.images.delta for s in new], dtype=torch.long)
         n_tok = torch.tensor([s.computed for s in new], dtype=torch.long, device=dev)
         if self.cache is not None and fill is None:
-            self._fill_slots(row0, seqs, src, int(n_tok.max()))
+            self._fill_slots(row0, seqs, slot_src, int(n_tok.max()))
         self._pos[row0:row0 + J] = n_tok
         self._accept(row0, logits.index_select(0, src), finished, decode=False)
 
-    def _fill_slots(self, row0: int, seqs: list[Seq], src: torch.Tensor, length: int) -> None:
+    def _fill_slots(self, row0: int, seqs: list[Seq], src: torch.Tensor | int, length: int) -> None:
         """The joined rows' contiguous copies (slots ``row0..``): each prefill job's context
         ``0..length-1`` read from the pool once, then copied to every row that joined from it
-        (``src``: the job of each), so a group of n samples reads its prompt once, not n times.
-        Past a row's own end the copy holds padding that decode masks."""
-        W = max(len(s.blocks) for s in seqs)
-        tables = torch.tensor([s.blocks + [0] * (W - len(s.blocks)) for s in seqs], dtype=torch.long,
+        (``src``: the job of each, or ``n``: each job fills the next n slots), so a group of n
+        samples reads its prompt once, not n times. Past a row's own end the copy holds padding
+        that decode masks."""
+        W = -(-length // self.pager.bs)  # the blocks holding positions 0..length-1
+        tables = torch.tensor([s.blocks[:W] + [0] * (W - len(s.blocks[:W])) for s in seqs], dtype=torch.long,
                               device=self._pos.device)
-        rows = self.pool.rows_at(tables, self.decoder._positions[:length])
         for li in range(self.spec.num_layers):
-            k, v = self.pool.read(li, rows)  # [jobs, length, ng, hd]
-            k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-            self.cache.write_prefix(li, row0, k.index_select(0, src), v.index_select(0, src))
+            k, v = self.pool.read_blocks(li, tables)  # [jobs, W * bs, ng, hd], whole blocks
+            k, v = k[:, :length].transpose(1, 2), v[:, :length].transpose(1, 2)  # copied into the slots as views
+            if isinstance(src, int):
+                self.cache.write_prefix_repeated(li, row0, k, v, src)
+            else:
+                self.cache.write_prefix(li, row0, k.index_select(0, src), v.index_select(0, src))
 
     # ------------------------------------------------------------ decode
 

@@ -187,11 +187,7 @@ class Decoder:
         def attend(li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             pool.write(li, flat_rows, k.transpose(1, 2).reshape(J * P, ng, hd), v.transpose(1, 2).reshape(J * P, ng, hd))
             if fill is not None:
-                cache, slot0, src = fill
-                if isinstance(src, int):
-                    cache.write_prefix_repeated(li, slot0, k, v, src)
-                else:
-                    cache.write_prefix(li, slot0, k.index_select(0, src), v.index_select(0, src))
+                fill[0].fill_from_jobs(li, fill[1], k, v, fill[2])
             if ctx_tables is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                       enable_gqa=self.rep > 1)

@@ -97,6 +97,15 @@ class KVCache:
         self.k[layer, rows, :, :P].view(J, repeat, G, P, D).copy_(k[:, None])
         self.v[layer, rows, :, :P].view(J, repeat, G, P, D).copy_(v[:, None])
 
+    def fill_from_jobs(self, layer: int, slot0: int, k: torch.Tensor, v: torch.Tensor,
+                       src: torch.Tensor | int) -> None:
+        """Slots ``slot0..`` from prefill jobs' ``k``/``v`` ``[jobs, groups, P, head_dim]``: slot
+        ``slot0 + i`` from job ``src[i]``, or (``src`` an int ``n``) each job into the next n slots."""
+        if isinstance(src, int):
+            self.write_prefix_repeated(layer, slot0, k, v, src)
+        else:
+            self.write_prefix(layer, slot0, k.index_select(0, src), v.index_select(0, src))
+
     def decode_index(self, pos: torch.Tensor) -> torch.Tensor:
         """Flat write rows ``[B*groups]`` for one new position per row (rows = slots ``0..B-1``),
         computed once per step and shared by every layer and by keys and values."""

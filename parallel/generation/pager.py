@@ -122,6 +122,12 @@ class Pager:
 
     # ------------------------------------------------------------ tensors
 
+    def block_tables(self, seqs: Sequence[Seq], width: int) -> torch.Tensor:
+        """``[len(seqs), width]`` block tables: each sequence's first ``width`` blocks, padded with
+        block 0 (whose contents readers mask)."""
+        tables = [s.blocks[:width] for s in seqs]
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=self.pool.device)
+
     def rows(self, seqs: Sequence[Seq], starts: Sequence[int], ends: Sequence[int], width: int) -> torch.Tensor:
         """Pool rows of each sequence's tokens ``start..end-1`` (scratch row after)."""
         return self.pool.index([s.blocks for s in seqs], starts, ends, width)

@@ -168,11 +168,8 @@ class SteppingMixin:
         P, dev = max(lens), self._pos.device
         ids = torch.tensor([s.tokens()[a:b] + [0] * (P - b + a) for s, a, b in jobs], dtype=torch.long)
         write_rows = self.pager.rows(seqs, starts, ends, P)
-        ctx_tables = None  # the blocks of tokens 0..max(ends)-1 when some row starts past 0
-        if any(starts):
-            W = -(-max(ends) // self.pager.bs)
-            ctx_tables = torch.tensor([s.blocks[:W] + [0] * (W - len(s.blocks[:W])) for s in seqs], dtype=torch.long,
-                                      device=self._pos.device)
+        # the blocks of tokens 0..max(ends)-1 when some row starts past 0
+        ctx_tables = self.pager.block_tables(seqs, -(-max(ends) // self.pager.bs)) if any(starts) else None
         rope = images = None
         if self.vision is not None:  # VL rows always start at 0 (never chunked nor cached)
             rope, images = self.vision.prefill_inputs([(s.images, len(s.out)) for s in seqs], P,
@@ -206,9 +203,8 @@ class SteppingMixin:
         new = [s for s, _ in joined]
         self._running += new
         self._set_slots(row0, new)
-        J, W = len(new), self._tables.shape[1]
-        tables = torch.tensor([s.blocks + [0] * (W - len(s.blocks)) for s in new], dtype=torch.long, device=dev)
-        self._tables[row0:row0 + J] = tables
+        J = len(new)
+        self._tables[row0:row0 + J] = self.pager.block_tables(new, self._tables.shape[1])
         if self.vision is not None:
             self._delta[row0:row0 + J] = torch.tensor([s.images.delta for s in new], dtype=torch.long)
         n_tok = torch.tensor([s.computed for s in new], dtype=torch.long, device=dev)
@@ -223,16 +219,11 @@ class SteppingMixin:
         (``src``: the job of each, or ``n``: each job fills the next n slots), so a group of n
         samples reads its prompt once, not n times. Past a row's own end the copy holds padding
         that decode masks."""
-        W = -(-length // self.pager.bs)  # the blocks holding positions 0..length-1
-        tables = torch.tensor([s.blocks[:W] + [0] * (W - len(s.blocks[:W])) for s in seqs], dtype=torch.long,
-                              device=self._pos.device)
+        tables = self.pager.block_tables(seqs, -(-length // self.pager.bs))  # the blocks of 0..length-1
         for li in range(self.spec.num_layers):
             k, v = self.pool.read_blocks(li, tables)  # [jobs, W * bs, ng, hd], whole blocks
-            k, v = k[:, :length].transpose(1, 2), v[:, :length].transpose(1, 2)  # copied into the slots as views
-            if isinstance(src, int):
-                self.cache.write_prefix_repeated(li, row0, k, v, src)
-            else:
-                self.cache.write_prefix(li, row0, k.index_select(0, src), v.index_select(0, src))
+            # copied into the slots as views
+            self.cache.fill_from_jobs(li, row0, k[:, :length].transpose(1, 2), v[:, :length].transpose(1, 2), src)
 
     # ------------------------------------------------------------ decode
 

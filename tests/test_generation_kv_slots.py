@@ -35,10 +35,13 @@ def test_slots_grow_keeping_live_rows_and_shrink_when_idle(ckpts):
     assert torch.equal(c.v[:, :3, :, :10], v[:3].expand(c.layers, *v[:3].shape))
     assert float(c.k[:, :3, :, 10:].abs().sum()) == 0.0  # the new room is zeros (finite under the mask)
     assert c.max_nbytes == c.nbytes // 64 * 100
+    # nbytes is arithmetic (the server's /metrics thread reads it while reserve() swaps tensors)
+    assert c.nbytes == c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size()
     c.reserve(50, live=3)
     assert c.capacity == 64  # enough room: nothing moves
     c.reserve(5, live=0)  # idle: a capacity over twice what is needed is given back
     assert c.capacity == KVCache.MIN_CAPACITY
+    assert c.nbytes == c.k.numel() * c.k.element_size() * 2 and c.k_flat[0].data_ptr() == c.k[0].data_ptr()
     c.reserve(100, live=0)
     assert c.capacity == 100  # capped at max_len
     with pytest.raises(ValueError, match="position 100 is past max_len 100"):

@@ -72,7 +72,10 @@ class KVCache:
         while cap < length:
             cap *= 2
         old_k, old_v, old_cap = self.k, self.v, self.capacity
-        self.k = self.v = None  # type: ignore[assignment]  # the old tensors go before the new ones come
+        if not live:  # nothing to keep: the old tensors (and their flat views) go before the new ones come
+            del old_k, old_v
+            self.k = self.v = torch.empty(0, dtype=self.dtype, device=self.device)
+            self.k_flat = self.v_flat = []
         self._alloc(min(cap, self.max_len))
         if live:
             n = min(old_cap, self.capacity)
@@ -125,8 +128,13 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes it holds now (it grows up to ``max_len`` positions; see :meth:`max_nbytes`)."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return self._bytes(self.capacity)
 
     @property
     def max_nbytes(self) -> int:
-        return self.nbytes // self.capacity * self.max_len
+        return self._bytes(self.max_len)
+
+    def _bytes(self, capacity: int) -> int:
+        # plain arithmetic, no tensor: stats are read from other threads while reserve() swaps them
+        per_position = 2 * self.layers * self.slots * self.groups * self.head_dim
+        return per_position * capacity * torch.empty((), dtype=self.dtype).element_size()

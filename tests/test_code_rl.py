@@ -5,7 +5,8 @@ Why its own data: the test has about two minutes on two shared cores, so the sta
 leave RL a large, quickly learnable gain. The fixture writes ``code_expr`` rows of the
 easy ``formula`` kind only, with 60% buggy demonstrations (the default has both kinds and
 30%): the SFT model then writes one of the three bugs in about half of its samples, and
-16 small GRPO steps cut that down (measured: reward 0.39 -> 0.68, first vs last 5 steps).
+16 small GRPO steps cut that down (measured: reward 0.39 -> 0.68, first vs last 5 steps;
+0.38 -> 0.63 first vs last third of the responses).
 
 Why audited: a run whose reward silently fell back to something else (no sandbox, a math
 reward, an error fallback) could still look like learning. The RL run scores with
@@ -136,10 +137,16 @@ def test_async_grpo_code_learns_through_the_sandbox(fileroot):
     lines = [json.loads(x) for x in audit.read_text().splitlines()]
     train = [x for x in lines if not x["id"].startswith("eval/")]
     assert len(train) >= STEPS * BATCH * N_SAMPLES
-    # the demonstrated bugs get rarer: the first token of n=input() decides a reward of 0
+    # programs that fail every test get rarer, and so does the demonstrated bug whose first
+    # token decides a reward of 0 (n=input()). Measured, first third -> last third of the
+    # responses: all-fail 212 -> 127, n=input() 70 -> 46 (70 -> 49 on a loaded CI host). The
+    # bounds leave about two standard deviations of sampling noise below those drops.
+    third = len(train) // 3
+    all_fail = [x["reward"] == 0.0 for x in train]
     no_int = [x["response"].startswith("n=input()") for x in train]
-    third = len(no_int) // 3
-    assert sum(no_int[-third:]) < 0.7 * sum(no_int[:third]), (sum(no_int[:third]), sum(no_int[-third:]))
+    counts = {name: (sum(v[:third]), sum(v[-third:])) for name, v in (("all_fail", all_fail), ("no_int", no_int))}
+    assert counts["all_fail"][1] < 0.8 * counts["all_fail"][0], counts
+    assert counts["no_int"][1] < counts["no_int"][0], counts
     assert {x["sandbox_problem"] for x in lines} == {""}
     assert all(x["reward"] in (0.0, 1 / 3, 2 / 3, 1.0) for x in lines)
     assert os.getpid() not in {x["pid"] for x in lines}

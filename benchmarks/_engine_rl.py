@@ -1,11 +1,13 @@
-"""The ``rl`` part of ``bench_engine.py``: the default RL workload on the default model.
+"""The ``rl`` part of ``bench_engine.py``: the default RL workloads on their default models.
 
-What ``main_sync_ppo`` / ``main_async_ppo`` generate each step by default: 64 prompts of the
-arithmetic task x 8 samples, temperature 1, at most ``ppo.max_new_tokens`` tokens, EOS ends a
-sample, on the embedded default model (the SFT start the default run trains first; reused from
-``--fileroot``). realflow's engine (``SamplingParams(n=8)``: the group's prompt prefilled once)
-against transformers ``generate(num_return_sequences=8)`` on the same prompts; both are credited
-the tokens up to and with each sample's first EOS. Best of ``--rl-repeats`` runs each, in blocks of
+What each default run generates per step, from its experiment's own config: the main job
+(``main_async_ppo``, ``async-grpo-math``: 32 prompts of the worked-arithmetic task x 8 samples,
+up to 96 new tokens, answers of ~16 tokens at the median and ~80 at p99) and ``main_sync_ppo``'s
+(``grpo-math``: 64 arithmetic prompts x 8 samples, up to 16 new tokens); temperature 1, EOS ends a
+sample, on the run's SFT start (reused from ``--fileroot``; trained first when absent).
+realflow's engine (``SamplingParams(n=8)``: the group's prompt prefilled once) against
+transformers ``generate(num_return_sequences=8)`` on the same prompts; both are credited the
+tokens up to and with each sample's first EOS. Best of ``--rl-repeats`` runs each, in blocks of
 back-to-back runs (``bench_engine.in_blocks`` says why).
 """
 from __future__ import annotations
@@ -15,27 +17,47 @@ import os
 import time
 from typing import Any
 
+# experiment -> what it is (the first is the README's main job)
+WORKLOADS = {"async-grpo-math": "the main job (main_async_ppo)", "grpo-math": "main_sync_ppo's default"}
+
 
 def part_rl(a: Any, fileroot: str, dev: Any) -> None:
+    for experiment in (a.rl_workloads.split(",") if a.rl_workloads else WORKLOADS):
+        if experiment not in WORKLOADS:
+            raise SystemExit(f"--rl-workloads: no {experiment!r} (one of {', '.join(WORKLOADS)})")
+        _workload(a, fileroot, dev, experiment)
+
+
+def _paths(experiment: str, fileroot: str) -> tuple[str, str]:
+    """(the run's SFT start, its RL train file), trained / written first when absent."""
+    from _realflow_steps import run_job
+    from realflow.api.experiment import experiment_registry
+    from realflow.config.cli import parse_overrides
+
+    actor, _, train, _ = parse_overrides(experiment_registry.get(experiment), [f"fileroot={fileroot}"])._paths()
+    if not (os.path.isfile(os.path.join(actor, "config.json")) and os.path.isfile(train)):
+        run_job(experiment, fileroot, "prepare", 1, [])  # the run trains its start first
+    return actor, train
+
+
+def _workload(a: Any, fileroot: str, dev: Any, experiment: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bench_e2e_rl import Work, _default_checkpoint
+    from bench_e2e_rl import Work
     from bench_engine import in_blocks
     from parallel.generation import EngineConfig, GenerationEngine
     from realflow.api.generation import SamplingParams
 
-    work = Work.from_defaults()
-    path = _default_checkpoint(fileroot)  # trains the default SFT start when the fileroot has none
-    data = next(os.path.join(fileroot, "data", d, "train.jsonl") for d in sorted(os.listdir(os.path.join(fileroot, "data")))
-                if "-rl-" in d)
+    work = Work.from_defaults(experiment)
+    path, data = _paths(experiment, fileroot)
     tok = AutoTokenizer.from_pretrained(path)
     with open(data) as f:
         rows = [json.loads(line) for _, line in zip(range(work.batch_size), f)]
     prompts = [tok(r["prompt"])["input_ids"] for r in rows]
     n, max_new = work.n_samples, work.max_new_tokens
-    print(f"\n== rl: the default RL workload, {len(prompts)} prompts x {n} samples, up to {max_new} new tokens, "
-          f"temperature {work.temperature}, EOS on, the default model ({path})")
+    print(f"\n== rl, {WORKLOADS[experiment]} ({experiment}): {len(prompts)} prompts x {n} samples, up to {max_new} "
+          f"new tokens, temperature {work.temperature}, EOS on, its SFT start ({path})")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to(dev)
     engine = GenerationEngine.from_hf(path, EngineConfig(max_running_requests=len(prompts) * n), device=dev)
     params = SamplingParams(max_new_tokens=max_new, temperature=work.temperature, n=n, seed=a.seed)
@@ -60,7 +82,7 @@ def part_rl(a: Any, fileroot: str, dev: Any) -> None:
         return dt, int(((ended == 0) | ((ended == 1) & (resp == eos))).sum())
 
     run_engine(), run_hf()  # warm-up
-    repeats = a.rl_repeats or 12  # short runs (~0.1 s and ~0.3 s): many, in blocks (bench_engine.in_blocks)
+    repeats = a.rl_repeats or 12  # short runs (~0.1-1 s each): many, in blocks (bench_engine.in_blocks)
     runs_e, runs_h = in_blocks([run_engine, run_hf], repeats)
     eng_best, tokens_e = min((dt / n, n) for dt, n in runs_e)
     hf_best, tokens_h = min((dt / n, n) for dt, n in runs_h)
@@ -71,6 +93,7 @@ def part_rl(a: Any, fileroot: str, dev: Any) -> None:
     forward, total = _forward_share(engine, run_engine, repeats)
     print(f"engine run {total * 1e3:.1f} ms, of which the model's forward (prefill + decode ops) {forward * 1e3:.1f} ms: "
           f"with no scheduling overhead at all the ratio would be {hf_best * tokens_e / forward:.2f}x")
+    del model, engine
 
 
 def _forward_share(engine: Any, run: Any, repeats: int) -> tuple[float, float]:

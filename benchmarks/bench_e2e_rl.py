@@ -56,12 +56,12 @@ class Work:
     max_prompt_len: int
 
     @classmethod
-    def from_defaults(cls) -> "Work":
+    def from_defaults(cls, experiment: str = EXPERIMENT) -> "Work":
         from realflow.config.cli import import_modules, parse_overrides
         from realflow.api.experiment import experiment_registry
 
         import_modules(["experiments"])  # registers the experiments
-        c = parse_overrides(experiment_registry.get(EXPERIMENT), [])
+        c = parse_overrides(experiment_registry.get(experiment), [])
         return cls(c.batch_size, c.ppo.n_samples, c.ppo.max_new_tokens, c.ppo.temperature, c.actor_optimizer.lr,
                    c.ppo.eps_clip, c.ppo.n_minibatches, c.max_tokens_per_mb, c.actor_optimizer.gradient_clipping,
                    c.data_args()["max_prompt_len"])

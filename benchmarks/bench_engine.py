@@ -16,9 +16,10 @@ One command (``python benchmarks/bench_engine.py``), four parts (``--parts``):
    prefill FLOPs (:class:`parallel.flops.TokenFlops`) and wall time both ways.  Why: in RL
    rollouts the group's shared prompt is most of the prefill, and computing it once per group
    is the saving a paged KV cache with prefix sharing exists for.
-3. **rl** -- the default RL workload (64 arithmetic prompts x 8 samples, sampled, EOS on) on the
-   default model, the SFT start of the default run (``benchmarks/_engine_rl.py``; trained first
-   unless ``--fileroot`` holds one).
+3. **rl** -- the default RL workloads (sampled, EOS on), each on its run's SFT start
+   (``benchmarks/_engine_rl.py``; trained first unless ``--fileroot`` holds one): the main job's
+   (``main_async_ppo``: 32 prompts x 8 samples, up to 96 tokens) and ``main_sync_ppo``'s (64 x 8,
+   up to 16 tokens).
 4. **roofline** (CUDA only) -- Qwen3-0.6B's shape, 256 sequences, bf16: the mean decode step
    against the HBM roofline (weights + the KV the step reads, over ``--bandwidth-gbs``).  A
    decode step of a small model is memory-bound; the roofline says how far the engine is from
@@ -311,6 +312,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, nargs=2, metavar=("LO", "HI"), help="throughput (default by shape)")
     ap.add_argument("--repeats", type=int, help="throughput: best of N (default 5 on CPU, 1 on CUDA)")
     ap.add_argument("--rl-repeats", type=int, help="rl: best of N runs each side (default 12)")
+    ap.add_argument("--rl-workloads", default="", help="rl: comma-separated experiments (default: "
+                                                      "async-grpo-math, the main job, and grpo-math)")
     ap.add_argument("--groups", type=int, default=16, help="groups: prompts")
     ap.add_argument("--samples", type=int, default=8, help="groups: samples per prompt (n)")
     ap.add_argument("--response-len", type=int, default=32, help="groups: tokens per sample")

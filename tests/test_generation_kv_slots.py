@@ -1,8 +1,8 @@
 """The contiguous decode path's per-row KV slots and reused buffers (CPU).
 
 Proves: the slots grow with the longest running row (doubling, the live rows' keys and values
-kept exactly) and start small again once nothing runs; generation across several growths equals
-transformers; a decode step writing its activations into the reused workspace gives bit-identical
+kept exactly) and a new batch starts small again when the last one used under half of them;
+generation across several growths equals transformers; a decode step writing its activations into the reused workspace gives bit-identical
 logits to one that allocates; a row past ``max_len`` is a clear error.
 """
 from __future__ import annotations
@@ -39,7 +39,13 @@ def test_slots_grow_keeping_live_rows_and_shrink_when_idle(ckpts):
     assert c.nbytes == c.k.numel() * c.k.element_size() + c.v.numel() * c.v.element_size()
     c.reserve(50, live=3)
     assert c.capacity == 64  # enough room: nothing moves
-    c.reserve(5, live=0)  # idle: a capacity over twice what is needed is given back
+    c.reserve(5, live=0)  # a new batch: the last one needed 50 positions, so the 64 stay (no regrowth)
+    assert c.capacity == 64
+    for layer in range(c.layers):  # every layer's prefix write reserves: decided once per batch
+        c.reserve(5, live=0)
+    assert c.capacity == 64
+    c.reserve(9, live=2)  # this batch peaks at 9 ...
+    c.reserve(5, live=0)  # ... so the next one gives back what is over twice that
     assert c.capacity == KVCache.MIN_CAPACITY
     assert c.nbytes == c.k.numel() * c.k.element_size() * 2 and c.k_flat[0].data_ptr() == c.k[0].data_ptr()
     c.reserve(100, live=0)
@@ -66,10 +72,15 @@ def test_generation_across_growths_equals_transformers(ckpts):
         r = by_rid[rid]
         assert r.output_ids == hf_greedy(model, p, len(r.output_ids)), rid
         assert_logprobs(model, r)
-    eng.add_request("again", PROMPTS[1], greedy(4))  # idle engine: the next batch starts small again
-    while eng.has_work():
-        eng.step()
-    assert eng.cache.capacity == KVCache.MIN_CAPACITY
+    # a new batch after one that needed 110 positions: the 128 stay (and it still equals transformers);
+    # the batch after that one (which needed a few) starts small again
+    for rid, expect in (("again", 128), ("and again", KVCache.MIN_CAPACITY)):
+        eng.add_request(rid, PROMPTS[1], greedy(4))
+        out = []
+        while eng.has_work():
+            out += eng.step()
+        assert eng.cache.capacity == expect, rid
+        assert out[0].output_ids == hf_greedy(model, PROMPTS[1], 4)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

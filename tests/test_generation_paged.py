@@ -161,6 +161,26 @@ def test_prefix_cache_serves_the_next_turn_and_never_stale_weights(ckpts):
     all_free(eng)
 
 
+def test_next_turns_reuse_the_blocks_a_batch_filled_together(ckpts):
+    """Contiguous decode copies the blocks its rows fill into the pool, one indexed copy for all
+    the rows that fill one on the same step: rows of equal length (and one of another length)
+    decode together, then each row's next turn finds its blocks and equals transformers."""
+    pa, ma = ckpts["qwen2"]
+    eng = _engine(pa, block_size=4, decode_attention="contiguous")
+    prompts = [PROMPTS[3], [t + 1 for t in PROMPTS[3]], [t + 2 for t in PROMPTS[3]], PROMPTS[2]]  # 13, 13, 13, 17
+    turn1 = eng.generate(prompts, greedy(11))
+    hits = eng.stats()["prefix_cache_hits"]
+    for p, r in zip(prompts, turn1):
+        history = p + r.output_ids + [9]
+        turn2 = eng.generate([history], greedy(4))[0]
+        # every full block of the earlier turn, decoded ones too (its last token was never fed)
+        assert eng.stats()["prefix_cache_hits"] - hits == (len(p) + len(r.output_ids) - 1) // 4
+        hits = eng.stats()["prefix_cache_hits"]
+        assert turn2.output_ids == hf_greedy(ma, history, 4)
+        assert_logprobs(ma, turn2)
+    all_free(eng)
+
+
 @pytest.mark.parametrize("decode", ["contiguous", "paged"])
 def test_retract_and_weight_update_mid_run(ckpts, decode):
     (pa, ma), (pb, mb) = ckpts["qwen2"], ckpts["qwen2_b"]

@@ -245,20 +245,26 @@ class SteppingMixin:
             record_decode([s.routed for s in olds], self.decoder.routing,
                           [len(s.prompt) + len(s.out) - 1 for s in olds])
         if self.pager.sharing:  # blocks this token filled go into the prefix cache
-            for i in ((pos + 1) % bs == 0).nonzero().flatten().tolist():
-                s = olds[i]
-                if not self.pager.cacheable(s):
-                    continue
-                n = len(s.prompt) + len(s.out)
-                if self.cache is not None:  # the block's keys and values, from the row's slot
-                    self._block_from_slot(i, s.blocks[n // bs - 1], n - bs)
+            full = [(i, s, len(s.prompt) + len(s.out)) for i in ((pos + 1) % bs == 0).nonzero().flatten().tolist()
+                    if self.pager.cacheable(s := olds[i])]
+            if full and self.cache is not None:  # the blocks' keys and values, from the rows' slots
+                self._blocks_from_slots([i for i, _, _ in full], [s.blocks[n // bs - 1] for _, s, n in full],
+                                        [n - bs for _, _, n in full])
+            for _, s, n in full:
                 self.pager.register(s, n)
         self._accept(0, logits, finished, decode=True)
 
-    def _block_from_slot(self, row: int, block: int, start: int) -> None:
-        """Copy positions ``start .. start+bs-1`` of running row ``row``'s contiguous slot into pool
-        block ``block`` (every layer): contiguous decode writes the pool only per full block."""
-        bs, c = self.pager.bs, self.cache
-        dst = slice(block * bs, (block + 1) * bs)
-        self.pool.k[:, dst] = c.k[:, row, :, start:start + bs].transpose(1, 2)
-        self.pool.v[:, dst] = c.v[:, row, :, start:start + bs].transpose(1, 2)
+    def _blocks_from_slots(self, rows: list[int], blocks: list[int], starts: list[int]) -> None:
+        """Copy positions ``starts[j] .. starts[j]+bs-1`` of running row ``rows[j]``'s contiguous
+        slot into pool block ``blocks[j]`` (every layer; one indexed copy for all the rows: a
+        group's samples fill their blocks on the same step): contiguous decode writes the pool
+        only per full block."""
+        bs, c, dev = self.pager.bs, self.cache, self._pos.device
+        offsets = torch.arange(bs, device=dev)
+        row = torch.tensor(rows, device=dev)[:, None]  # [R, 1]
+        src_pos = torch.tensor(starts, device=dev)[:, None] + offsets  # [R, bs]
+        dst = (torch.tensor(blocks, device=dev)[:, None] * bs + offsets).flatten()  # [R*bs]
+        L, G, D = c.k.shape[0], c.k.shape[2], c.k.shape[4]
+        # (advanced indices on dims 1 and 3 around a slice: the result is [R, bs, layers, groups, hd])
+        self.pool.k[:, dst] = c.k[:, row, :, src_pos].permute(2, 0, 1, 3, 4).reshape(L, -1, G, D)
+        self.pool.v[:, dst] = c.v[:, row, :, src_pos].permute(2, 0, 1, 3, 4).reshape(L, -1, G, D)

@@ -260,11 +260,14 @@ class SteppingMixin:
         group's samples fill their blocks on the same step): contiguous decode writes the pool
         only per full block."""
         bs, c, dev = self.pager.bs, self.cache, self._pos.device
+        L, G, cap, D = c.k.shape[0], c.k.shape[2], c.k.shape[3], c.k.shape[4]
+        # flat slot rows of (row, position, group), in the pool's [rows, groups] order: one
+        # index_select and one index_copy_ per tensor (mixed advanced indexing measured ~1.5x this)
         offsets = torch.arange(bs, device=dev)
-        row = torch.tensor(rows, device=dev)[:, None]  # [R, 1]
-        src_pos = torch.tensor(starts, device=dev)[:, None] + offsets  # [R, bs]
+        pos = torch.tensor(starts, device=dev)[:, None] + offsets  # [R, bs]
+        slot_group = torch.tensor(rows, device=dev)[:, None] * G + torch.arange(G, device=dev)  # [R, G]
+        src = (slot_group[:, None, :] * cap + pos[:, :, None]).flatten()  # [R*bs*G]
         dst = (torch.tensor(blocks, device=dev)[:, None] * bs + offsets).flatten()  # [R*bs]
-        L, G, D = c.k.shape[0], c.k.shape[2], c.k.shape[4]
-        # (advanced indices on dims 1 and 3 around a slice: the result is [R, bs, layers, groups, hd])
-        self.pool.k[:, dst] = c.k[:, row, :, src_pos].permute(2, 0, 1, 3, 4).reshape(L, -1, G, D)
-        self.pool.v[:, dst] = c.v[:, row, :, src_pos].permute(2, 0, 1, 3, 4).reshape(L, -1, G, D)
+        for cache_t, pool_t in ((c.k, self.pool.k), (c.v, self.pool.v)):
+            moved = cache_t.view(L, -1, D).index_select(1, src).view(L, -1, G, D)
+            pool_t.index_copy_(1, dst, moved)

@@ -76,7 +76,8 @@ class KVCache:
         if length > self.max_len:
             raise ValueError(f"KV cache: position {length - 1} is past max_len {self.max_len}")
         if live or self._starting:  # (every layer's prefix write of a new batch reserves again)
-            self._starting = self._starting and not live
+            if live:
+                self._starting = False
             self._peak = max(self._peak, length)
             if length <= self.capacity:
                 return
@@ -132,6 +133,18 @@ class KVCache:
         n = pos.shape[0] * self.groups
         return self._base[:n].add(pos[:, None].expand(-1, self.groups).reshape(n))
 
+    def read_spans(self, rows: list[int], starts: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions ``starts[j] .. starts[j]+length-1`` of slot ``rows[j]``,
+        every layer, as ``[layers, len(rows)*length, groups, head_dim]`` each (the pool's row
+        layout): one ``index_select`` per tensor on the flat (slot, group, position) rows (mixed
+        advanced indexing measured ~1.5x this)."""
+        dev, G = self.device, self.groups
+        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(length, device=dev)  # [R, length]
+        slot_group = torch.tensor(rows, device=dev)[:, None] * G + torch.arange(G, device=dev)  # [R, G]
+        flat = (slot_group[:, None, :] * self.capacity + pos[:, :, None]).flatten()  # [R*length*G]
+        return tuple(t.view(self.layers, -1, self.head_dim).index_select(1, flat).view(self.layers, -1, G, self.head_dim)
+                     for t in (self.k, self.v))  # type: ignore[return-value]
+
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
         """Copy slots ``src``' first ``length`` positions into slots ``dst`` (disjoint)."""
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
@@ -154,4 +167,4 @@ class KVCache:
     def _bytes(self, capacity: int) -> int:
         # plain arithmetic, no tensor: stats are read from other threads while reserve() swaps them
         per_position = 2 * self.layers * self.slots * self.groups * self.head_dim
-        return per_position * capacity * torch.empty((), dtype=self.dtype).element_size()
+        return per_position * capacity * self.dtype.itemsize

@@ -93,7 +93,6 @@ def _workload(a: Any, fileroot: str, dev: Any, experiment: str) -> None:
     forward, total = _forward_share(engine, run_engine, repeats)
     print(f"engine run {total * 1e3:.1f} ms, of which the model's forward (prefill + decode ops) {forward * 1e3:.1f} ms: "
           f"with no scheduling overhead at all the ratio would be {hf_best * tokens_e / forward:.2f}x")
-    del model, engine
 
 
 def _forward_share(engine: Any, run: Any, repeats: int) -> tuple[float, float]:
